@@ -1,0 +1,38 @@
+"""trainer_ext: HF-compatible fine-tuning from one CPU to many nodes, without the accelerate package.
+
+Public names load lazily, so ``import trainer_ext`` stays cheap and never imports optional backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Trainer": "trainer_ext.trainer",
+    "TrainingArguments": "trainer_ext.training_args",
+    "Engine": "trainer_ext.dist.engine",
+    "DistState": "trainer_ext.dist.state",
+    "ConfigError": "trainer_ext.errors",
+    "train": "trainer_ext.api",
+    "ModelArguments": "trainer_ext.arguments",
+    "DataArguments": "trainer_ext.arguments",
+    "TrainJobArguments": "trainer_ext.arguments",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

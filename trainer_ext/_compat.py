@@ -1,0 +1,135 @@
+"""The one place that knows transformers' private internals (supported: transformers >=5.17,<5.24).
+
+transformers' ``trainer.py`` and ``training_args.py`` bind a few accelerate names at module level only
+when accelerate is installed, yet reach them on every run (``DistributedType`` in ``_run_epoch``,
+``skip_first_batches`` on mid-epoch resume …). :func:`install` provides ours under those names, only
+where they are missing — except ``skip_first_batches``, which is routed to ours for our dataloaders and
+to the original for any other. Nothing here imports accelerate.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+
+from .dist.data import ShardedDataLoader
+from .dist.data import skip_first_batches as _our_skip_first_batches
+from .dist.state import DistributedType
+
+SUPPORTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Fail loudly on a transformers version whose internals we have not checked."""
+    found = Version(version or transformers.__version__)
+    low, high = SUPPORTED_TRANSFORMERS
+    if not (low <= Version(found.base_version) < high):
+        raise ImportError(
+            f"trainer_ext supports transformers >={low},<{high}, but {found} is installed. "
+            f"Install a supported version: pip install 'transformers>={low},<{high}'"
+        )
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Free cached accelerator memory (``torch_empty_cache_steps``)."""
+    if garbage_collection:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif hasattr(torch, "mps") and torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """Drop references and free cached memory; returns ``None`` for each object passed."""
+    objects = list(objects)
+    for i in range(len(objects)):
+        objects[i] = None
+    clear_device_cache(garbage_collection=True)
+    return objects
+
+
+def should_reduce_batch_size(exception: Exception) -> bool:
+    """True when ``exception`` is an out-of-memory error."""
+    messages = (
+        "CUDA out of memory.",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+        "DefaultCPUAllocator: can't allocate memory",
+        "out of memory",
+    )
+    if isinstance(exception, torch.OutOfMemoryError):
+        return True
+    return (
+        isinstance(exception, RuntimeError)
+        and len(exception.args) == 1
+        and any(m in exception.args[0] for m in messages)
+    )
+
+
+def _routing_skip_first_batches(original: Any) -> Any:
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, ShardedDataLoader) or original is None:
+            return _our_skip_first_batches(dataloader, num_batches)
+        return original(dataloader, num_batches)
+
+    skip_first_batches._trainer_ext = True
+    return skip_first_batches
+
+
+_installed = False
+
+
+def install() -> None:
+    """Provide the accelerate names transformers' Trainer reaches; idempotent, patches only what is missing."""
+    global _installed
+    if _installed:
+        return
+    check_transformers_version()
+    import transformers.trainer as hf_trainer
+    import transformers.training_args as hf_args
+
+    fallbacks = {
+        "DistributedType": DistributedType,
+        "clear_device_cache": clear_device_cache,
+        "release_memory": release_memory,
+        "should_reduce_batch_size": should_reduce_batch_size,
+    }
+    for name, value in fallbacks.items():
+        if not hasattr(hf_trainer, name):
+            setattr(hf_trainer, name, value)
+    if not hasattr(hf_args, "DistributedType"):
+        hf_args.DistributedType = DistributedType
+    current = getattr(hf_trainer, "skip_first_batches", None)
+    if not getattr(current, "_trainer_ext", False):
+        hf_trainer.skip_first_batches = _routing_skip_first_batches(current)
+    _installed = True
+
+
+def accelerator_config(raw: Any) -> Any:
+    """``args.accelerator_config`` as transformers' AcceleratorConfig (it stays raw without accelerate)."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if isinstance(raw, AcceleratorConfig):
+        return raw
+    if raw is None:
+        return AcceleratorConfig()
+    if isinstance(raw, dict):
+        return AcceleratorConfig(**raw)
+    if hasattr(raw, "to_dict"):  # accelerate's or another copy of the same dataclass
+        return AcceleratorConfig(**raw.to_dict())
+    return AcceleratorConfig.from_json_file(raw)
+
+
+def uses_activation_checkpointing(model: Any, args: Any) -> bool:
+    """Activation checkpointing on the model or in the args (renamed from gradient_checkpointing in 5.23)."""
+    on_model = getattr(model, "is_activation_checkpointing", None)
+    if on_model is None:
+        on_model = getattr(model, "is_gradient_checkpointing", False)
+    on_args = getattr(args, "activation_checkpointing", None)
+    if on_args is None:
+        on_args = getattr(args, "gradient_checkpointing", False)
+    return bool(on_model or on_args)

@@ -1,0 +1,265 @@
+"""The engine: the accelerator protocol object that transformers' Trainer (and hand-written loops) call.
+
+It composes a :class:`DistState` (who/where), a :class:`Strategy` (how the model is wrapped), a
+:class:`Precision` (autocast and scaler) and a :class:`GradientState` (sync boundaries). It never asks
+which backend it runs; it asks the strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import collectives
+from .accumulation import GradientState
+from .data import shard_dataloader
+from .optimizer import EngineOptimizer
+from .precision import Precision
+from .state import DistributedType, DistState
+from .strategies import Strategy, resolve_strategy
+
+
+class Engine:
+    """Prepare models, optimizers and dataloaders; run backward, clipping and collectives."""
+
+    def __init__(
+        self,
+        state: DistState,
+        *,
+        mixed_precision: str = "no",
+        strategy: Strategy | str | None = None,
+        strategy_options: dict[str, Any] | None = None,
+        seed: int | None = None,
+        even_batches: bool = True,
+        use_seedable_sampler: bool = True,
+        device_placement: bool = True,
+        torch_compile: dict[str, Any] | None = None,
+        gradient_accumulation_plugin_kwargs: dict[str, Any] | None = None,
+        scaler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.state = state
+        if not isinstance(strategy, Strategy):
+            strategy = resolve_strategy(state, strategy, **(strategy_options or {}))
+        self.strategy = strategy
+        self.precision = Precision(
+            mixed_precision, state.device, uses_scaler=not strategy.owns_loss_scaling, **(scaler_kwargs or {})
+        )
+        self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
+        self.seed = seed
+        self.even_batches = even_batches
+        self.use_seedable_sampler = use_seedable_sampler
+        self.device_placement = device_placement
+        self.torch_compile = torch_compile
+        self.parallelism_config = None
+        self.step_was_skipped = False
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[EngineOptimizer] = []
+        self._dataloaders: list[DataLoader] = []
+
+    # -- topology, forwarded from the state -----------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.strategy.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients)."""
+        return self.step_was_skipped
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.state.local_main_process_first()
+
+    # -- prepare --------------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare each object by kind; same arity back (one object → bare, several → tuple)."""
+        placement = device_placement or [self.device_placement] * len(objects)
+        out = []
+        for obj, place in zip(objects, placement, strict=True):
+            if isinstance(obj, torch.nn.Module):
+                out.append(self.prepare_model(obj, device_placement=place))
+            elif isinstance(obj, torch.optim.Optimizer):
+                out.append(self.prepare_optimizer(obj))
+            elif isinstance(obj, DataLoader):
+                out.append(self.prepare_dataloader(obj))
+            else:
+                out.append(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
+        """Place on the device, autocast ``forward``, wrap for training (not for evaluation), compile."""
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement:
+            model = model.to(self.device)
+        self.precision.patch_forward(self.strategy.unwrap(model))
+        if not evaluation_mode:
+            model = self.strategy.wrap(model)
+        if self.torch_compile and not hasattr(model, "_orig_mod"):
+            model = torch.compile(model, **self.torch_compile)
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> EngineOptimizer:
+        if isinstance(optimizer, EngineOptimizer):
+            return optimizer
+        wrapped = EngineOptimizer(optimizer, self)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        seed = self.seed if self.seed is not None else torch.random.initial_seed()
+        loader = shard_dataloader(
+            dataloader,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            gradient_state=self.gradient_state,
+            seed=seed,
+            device=self.device if self.device_placement else None,
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+        )
+        self._dataloaders.append(loader)
+        return loader
+
+    # -- the step -------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.precision.autocast()
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce inside the block (non-final micro-batches of a window)."""
+        return self.strategy.no_sync(model)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of ``loss`` as given: accumulation normalisation is the caller's (never divided here)."""
+        learning_rate = kwargs.pop("learning_rate", None)
+        kwargs.pop("scale_wrt_gas", None)
+        if learning_rate is not None:
+            lomo = [o.optimizer for o in self._optimizers if hasattr(o.optimizer, "fused_backward")]
+            if lomo:
+                lomo[0].fused_backward(loss, learning_rate)
+                return
+        self.strategy.backward(self.precision.scale(loss), **kwargs)
+
+    def unscale_gradients(self) -> None:
+        for optimizer in self._optimizers:
+            self.precision.unscale_(optimizer.optimizer)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Unscale fp16 gradients, then clip; returns the total norm before clipping."""
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    # -- models ---------------------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's module under DDP/DataParallel; keeps the compiled wrapper unless told not to."""
+        compiled = model if hasattr(model, "_orig_mod") else None
+        inner = self.strategy.unwrap(compiled._orig_mod if compiled is not None else model)
+        if compiled is None:
+            return inner
+        if not keep_torch_compile:
+            return inner
+        if compiled._orig_mod is not inner:
+            compiled._orig_mod = inner
+        return compiled
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        if unwrap:
+            model = self.unwrap_model(model, keep_torch_compile=False)
+        return model.state_dict()
+
+    # -- collectives ----------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather, then drop the duplicated samples that completed the last round of the loader."""
+        if use_gather_object or not _has_tensor(input_data):
+            data = collectives.gather_object(input_data)
+        else:
+            data = collectives.gather(input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return collectives.truncate_rows(data, state.remainder)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return collectives.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return collectives.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> tuple[Any, ...]:
+        """Forget prepared objects (the Trainer calls this before each train/HPO trial)."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._dataloaders.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return tuple(None for _ in objects)
+
+    def end_training(self) -> None:
+        """Tear down the process group this job created."""
+        self.state.destroy()
+
+
+def _has_tensor(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, dict):
+        return any(_has_tensor(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_has_tensor(v) for v in data)
+    return False

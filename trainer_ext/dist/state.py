@@ -1,0 +1,270 @@
+"""Process topology and the process group: who am I, how many are we, which device is mine.
+
+Only the launcher's variables are read (torchrun, SLURM's srun, OpenMPI's mpirun); everything else is
+passed in explicitly, so two states can be built side by side in one process (tests do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+
+class DistributedType(str, Enum):
+    """How the processes cooperate; the values match accelerate's so transformers' comparisons hold."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_MPS = "MULTI_MPS"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job; ``source`` names the launcher the values came from."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    source: str = "single"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int | None:
+    value = env.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={value!r} is not an integer; fix or unset it") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``gpu[003-007,010],cpu1`` (-> ``gpu003``)."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR explicitly")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
+    """Read the topology from torchrun, then OpenMPI, then SLURM (inside ``srun``), else one process."""
+    env = os.environ if environ is None else environ
+    port = _int(env, "MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE", 1)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        return Topology(
+            rank=_int(env, "RANK", 0),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
+            num_nodes=max(1, world // max(1, local_world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=port,
+            source="torchrun",
+        )
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        world = _int(env, "OMPI_COMM_WORLD_SIZE", 1)
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
+        rank = _int(env, "OMPI_COMM_WORLD_RANK", 0)
+        return Topology(
+            rank=rank,
+            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=rank // max(1, local_world),
+            num_nodes=max(1, world // max(1, local_world)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=port,
+            source="openmpi",
+        )
+    if "SLURM_STEP_ID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+        world = _int(env, "SLURM_NTASKS", 1)
+        nodes = _int(env, "SLURM_NNODES", 1)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or ""
+        addr = env.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else None)
+        return Topology(
+            rank=_int(env, "SLURM_PROCID", 0),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
+            world_size=world,
+            local_world_size=max(1, world // max(1, nodes)),
+            node_rank=_int(env, "SLURM_NODEID", 0),
+            num_nodes=nodes,
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+        )
+    return Topology()
+
+
+def choose_device(topology: Topology, cpu: bool = False) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is there, else ``mps`` for one process, else plain ``cpu``."""
+    if not cpu and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if topology.local_rank >= count:
+            raise ConfigError(
+                f"local rank {topology.local_rank} has no GPU: only {count} visible. Start at most {count} "
+                "processes per node, or pass --use_cpu"
+            )
+        return torch.device("cuda", topology.local_rank)
+    if not cpu and topology.world_size == 1 and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+class DistState:
+    """The distributed state of this process: topology, device, backend and the process group.
+
+    ``init=False`` reads the topology without touching ``torch.distributed`` (for tests and dry runs).
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        cpu: bool = False,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        init: bool = True,
+    ) -> None:
+        self.topology = topology if topology is not None else detect_topology()
+        self.device = choose_device(self.topology, cpu=cpu)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.timeout = timeout
+        self.owns_process_group = False
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if init and self.topology.is_distributed:
+            self._init_process_group()
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            if dist.get_world_size() != self.topology.world_size:
+                raise ConfigError(
+                    f"a process group of size {dist.get_world_size()} already exists but the launcher says "
+                    f"{self.topology.world_size} processes"
+                )
+            return
+        kwargs: dict = {"backend": self.backend}
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        if self.topology.source == "torchrun":
+            kwargs["init_method"] = "env://"
+        else:
+            if not self.topology.master_addr:
+                raise ConfigError(
+                    f"{self.topology.world_size} processes were started by {self.topology.source} but MASTER_ADDR "
+                    "is not set; export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) before launching"
+                )
+            port = self.topology.master_port or 29500
+            kwargs["init_method"] = f"tcp://{self.topology.master_addr}:{port}"
+            kwargs["rank"] = self.topology.rank
+            kwargs["world_size"] = self.topology.world_size
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        self.owns_process_group = True
+
+    # -- who am I -----------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.topology.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.topology.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.topology.rank == self.topology.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.topology.is_distributed
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if not self.topology.is_distributed:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    # -- synchronisation ------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        """Barrier across all processes; a no-op for one process. Every rank must call it."""
+        if self.topology.is_distributed and dist.is_initialized():
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = False) -> Iterator[None]:
+        """Run the block on the (local) main process first, then on the others (e.g. dataset caching)."""
+        is_main = self.is_local_main_process if local else self.is_main_process
+        if not is_main:
+            self.wait_for_everyone()
+        yield
+        if is_main:
+            self.wait_for_everyone()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.main_process_first(local=True)
+
+    def destroy(self) -> None:
+        """Tear down the process group if this state created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    # -- pickling: transformers saves ``args`` (which holds this state) into training_args.bin ----
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["owns_process_group"] = False
+        return state
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (
+            f"DistState(rank={t.rank}/{t.world_size}, local_rank={t.local_rank}, nodes={t.num_nodes}, "
+            f"device={self.device}, backend={self.backend}, launcher={t.source})"
+        )

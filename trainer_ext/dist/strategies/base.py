@@ -1,0 +1,52 @@
+"""The strategy interface: how a model is wrapped, synchronised and unwrapped for one backend."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..state import DistributedType, DistState
+
+
+class Strategy:
+    """Base strategy: one process, nothing wrapped. Subclasses override what their backend changes.
+
+    Capability flags let callers ask what a backend owns instead of asking which backend it is.
+    """
+
+    name = "single"
+    owns_loss_scaling = False  # the backend scales fp16 losses itself (DeepSpeed)
+    owns_accumulation = False  # the backend decides accumulation boundaries itself (DeepSpeed)
+
+    def __init__(self, state: DistState, **options: Any) -> None:
+        self.state = state
+        self.options = options
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap a model already on its device for training; the base strategy returns it as is."""
+        return model
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Strip this strategy's wrapper (and DataParallel) to reach the user's module."""
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        return model
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context in which backward does not synchronise gradients (non-final micro-batches)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

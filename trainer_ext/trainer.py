@@ -1,0 +1,94 @@
+"""``Trainer``: transformers' Trainer with our :class:`~trainer_ext.dist.Engine` as ``self.accelerator``.
+
+Everything else — the training loop, gradient accumulation, logging, checkpoints, resume — is
+transformers' own code; the engine answers the calls it makes to its accelerator.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import transformers
+from transformers import PreTrainedModel
+
+from . import _compat
+from .dist.engine import Engine
+from .errors import ConfigError
+from .training_args import TrainingArguments
+
+_compat.install()
+
+
+def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
+    """DistributedDataParallel keyword arguments from the TrainingArguments (transformers' own rule)."""
+    args = trainer.args
+    if args.ddp_find_unused_parameters is not None:
+        find_unused = args.ddp_find_unused_parameters
+    elif isinstance(trainer.model, PreTrainedModel):
+        # find_unused_parameters breaks activation checkpointing
+        find_unused = not _compat.uses_activation_checkpointing(trainer.model, args)
+    else:
+        find_unused = True
+    return {
+        "find_unused_parameters": find_unused,
+        "bucket_cap_mb": args.ddp_bucket_cap_mb,
+        "broadcast_buffers": args.ddp_broadcast_buffers,
+        "static_graph": args.ddp_static_graph,
+    }
+
+
+class Trainer(transformers.Trainer):
+    """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
+
+    def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
+        if args is not None and not isinstance(args, TrainingArguments):
+            raise ConfigError(
+                f"trainer_ext.Trainer needs trainer_ext.TrainingArguments, got {type(args).__module__}."
+                f"{type(args).__name__}; replace `from transformers import TrainingArguments` with "
+                "`from trainer_ext import TrainingArguments`"
+            )
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        super().__init__(model=model, args=args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build the engine in place of ``accelerate.Accelerator`` and set what ``__init__`` reads next."""
+        args = self.args
+        config = _compat.accelerator_config(args.accelerator_config)
+        grad_acc_kwargs = dict(config.gradient_accumulation_kwargs or {})
+        if "num_steps" in grad_acc_kwargs:
+            if args.gradient_accumulation_steps > 1:
+                raise ConfigError(
+                    "accelerator_config.gradient_accumulation_kwargs.num_steps and --gradient_accumulation_steps "
+                    "are both set; keep only --gradient_accumulation_steps"
+                )
+            args.gradient_accumulation_steps = grad_acc_kwargs.pop("num_steps")
+        if config.split_batches or config.dispatch_batches:
+            raise ConfigError(
+                "accelerator_config split_batches/dispatch_batches are not supported by trainer_ext; "
+                "each process loads its own share of every batch"
+            )
+        compile_kwargs = None
+        if args.torch_compile:
+            compile_kwargs = {"backend": args.torch_compile_backend or "inductor"}
+            if args.torch_compile_mode:
+                compile_kwargs["mode"] = args.torch_compile_mode
+        self.accelerator = Engine(
+            args.distributed_state,
+            mixed_precision=args.mixed_precision,
+            strategy_options=_ddp_options(self),
+            seed=args.data_seed,
+            even_batches=config.even_batches,
+            use_seedable_sampler=config.use_seedable_sampler,
+            torch_compile=compile_kwargs,
+            gradient_accumulation_plugin_kwargs=grad_acc_kwargs,
+        )
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=args.eval_use_gather_object
+            )
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = False

@@ -1,0 +1,84 @@
+"""``TrainingArguments`` whose devices and distributed state come from :mod:`trainer_ext.dist`.
+
+Every transformers flag is accepted unchanged. Only device set-up is replaced: the process group is
+started by our :class:`~trainer_ext.dist.DistState` (gloo on CPU, NCCL on CUDA, ``ddp_timeout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import transformers
+from transformers.training_args import ParallelMode
+
+from . import _compat
+from .dist.rules import check_precision
+from .dist.state import DistributedType, DistState
+from .errors import ConfigError
+
+_compat.install()
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' TrainingArguments, set up without accelerate (see the class docs upstream)."""
+
+    def __post_init__(self) -> None:
+        self._refuse_unsupported()
+        if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available():
+            # transformers refuses bf16 without a bf16 GPU unless use_cpu is set; without CUDA we run on CPU anyway.
+            self.use_cpu = True
+        try:
+            super().__post_init__()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
+
+    def _refuse_unsupported(self) -> None:
+        if self.deepspeed:
+            raise ConfigError(
+                "--deepspeed is not supported by this version of trainer_ext yet; train with DDP (the default "
+                "for several processes) or remove the flag"
+            )
+        if self.fsdp:
+            raise ConfigError(
+                "--fsdp is not supported by this version of trainer_ext yet; train with DDP (the default for "
+                "several processes) or remove the flag"
+            )
+        if self.auto_find_batch_size:
+            raise ConfigError(
+                "--auto_find_batch_size is not supported by trainer_ext; set --per_device_train_batch_size "
+                "and use --gradient_accumulation_steps to reach the global batch you want"
+            )
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """Build our DistState (initialising the process group for several processes); return the device."""
+        from datetime import timedelta
+
+        state = DistState(
+            cpu=bool(self.use_cpu),
+            backend=self.ddp_backend,
+            timeout=timedelta(seconds=self.ddp_timeout),
+        )
+        self.distributed_state = state
+        if state.device.type == "cuda":
+            # one GPU per process; several GPUs in one process use nn.DataParallel (transformers' own path)
+            self._n_gpu = 1 if state.use_distributed else torch.cuda.device_count()
+        else:
+            self._n_gpu = 0
+        return state.device
+
+    @property
+    def parallel_mode(self) -> ParallelMode:
+        """DISTRIBUTED for several processes; NOT_DISTRIBUTED for DataParallel; else NOT_PARALLEL."""
+        state = getattr(self, "distributed_state", None)
+        if state is not None and state.distributed_type != DistributedType.NO:
+            return ParallelMode.DISTRIBUTED
+        if self.n_gpu > 1:
+            return ParallelMode.NOT_DISTRIBUTED
+        return ParallelMode.NOT_PARALLEL
