@@ -6,7 +6,9 @@ passed in explicitly, so two states can be built side by side in one process (te
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -192,6 +194,15 @@ class DistState:
             kwargs["device_id"] = self.device
         dist.init_process_group(**kwargs)
         self.owns_process_group = True
+        # gloo worker threads still holding tensors at interpreter teardown abort the process (SIGABRT);
+        # tearing the group down while Python is alive avoids it when the user never calls destroy().
+        atexit.register(self._destroy_at_exit)
+
+    def _destroy_at_exit(self) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            gc.collect()
+            dist.destroy_process_group()
+        self.owns_process_group = False
 
     # -- who am I -----------------------------------------------------------------------------
     @property
@@ -253,6 +264,10 @@ class DistState:
     def destroy(self) -> None:
         """Tear down the process group if this state created it."""
         if self.owns_process_group and dist.is_initialized():
+            # a rank leaving while another is still in a collective aborts the job (gloo): meet first,
+            # and drop dead DDP reducers (which hold pending work) before the group goes
+            gc.collect()
+            self.wait_for_everyone()
             dist.destroy_process_group()
         self.owns_process_group = False
 

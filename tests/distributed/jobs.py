@@ -1,0 +1,143 @@
+"""Training jobs run on 1 rank in-process and on 2 ranks under torchrun, for parity checks.
+
+``python jobs.py OUT_DIR`` (under torchrun) runs every job and rank 0 writes weights and results to
+OUT_DIR; the tests compare them with the same jobs run in the pytest process on one rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tiny import lm_dataset, tiny_llama  # noqa: E402
+
+from trainer_ext import Trainer, TrainingArguments  # noqa: E402
+
+
+def make_args(out: Path | str, **overrides) -> TrainingArguments:
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    base.update(overrides)
+    return TrainingArguments(**base)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+class StopAt(TrainerCallback):
+    """Stop training right after global step ``step`` (a checkpoint is saved there by save_steps)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def parity_job(out: Path, per_device_batch: int, grad_accum: int = 1) -> dict[str, torch.Tensor]:
+    """20 optimizer steps on 40 samples; same global batch whatever the world size."""
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out, per_device_train_batch_size=per_device_batch, gradient_accumulation_steps=grad_accum),
+        train_dataset=lm_dataset(40),
+    )
+    trainer.train()
+    return weights(trainer)
+
+
+def resume_jobs(out: Path, per_device_batch: int, grad_accum: int, stop: int) -> dict[str, dict]:
+    """Uninterrupted run vs. a run stopped at ``stop`` (mid-epoch) then resumed from its checkpoint."""
+    common = dict(
+        per_device_train_batch_size=per_device_batch,
+        gradient_accumulation_steps=grad_accum,
+        save_strategy="steps",
+        save_steps=stop,
+    )
+    data = lm_dataset(24, seed=3)
+    full = Trainer(model=tiny_llama(0), args=make_args(out / "full", **common), train_dataset=data)
+    full.train()
+    part = Trainer(
+        model=tiny_llama(0), args=make_args(out / "part", **common), train_dataset=data, callbacks=[StopAt(stop)]
+    )
+    part.train()
+    interrupted_at = part.state.global_step
+    resumed = Trainer(model=tiny_llama(0), args=make_args(out / "part", **common), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(out / "part" / f"checkpoint-{stop}"))
+    return {
+        "full": weights(full),
+        "resumed": weights(resumed),
+        "info": {
+            "interrupted_at": interrupted_at,
+            "steps_full": full.state.global_step,
+            "steps_resumed": resumed.state.global_step,
+            "max_steps": full.state.max_steps,
+        },
+    }
+
+
+def eval_job(out: Path, n: int = 7) -> dict:
+    """Evaluate and predict a dataset whose size is not divisible by the world size."""
+    data = lm_dataset(n, seed=5)
+
+    def metrics(pred):
+        labels = np.asarray(pred.label_ids)
+        return {"n_samples": int(labels.shape[0]), "label_sum": int(labels.sum())}
+
+    trainer = Trainer(
+        model=tiny_llama(1),
+        args=make_args(out, per_device_eval_batch_size=2),
+        eval_dataset=data,
+        compute_metrics=metrics,
+    )
+    result = trainer.evaluate()
+    predictions = trainer.predict(data).predictions
+    return {"metrics": result, "predictions": np.asarray(predictions)}
+
+
+def main(out: str) -> None:
+    out_dir = Path(out)
+    rank = int(os.environ.get("RANK", "0"))
+    parity = parity_job(out_dir / "parity", per_device_batch=2)
+    resume = resume_jobs(out_dir / "resume", per_device_batch=2, grad_accum=1, stop=4)
+    evaluation = eval_job(out_dir / "eval")
+    if rank == 0:
+        save_file(parity, str(out_dir / "parity.safetensors"))
+        save_file(resume["full"], str(out_dir / "resume_full.safetensors"))
+        save_file(resume["resumed"], str(out_dir / "resume_resumed.safetensors"))
+        np.save(out_dir / "predictions.npy", evaluation["predictions"])
+        result = {"resume": resume["info"], "eval": evaluation["metrics"], "world_size": int(os.environ["WORLD_SIZE"])}
+        (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    gc.collect()  # drop the DDP reducers before the group goes
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,60 @@
+"""2 real gloo ranks under torchrun against the same jobs on 1 rank in this process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jobs
+import numpy as np
+import pytest
+import torch
+from launch import run_ranks
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    run_ranks(HERE / "jobs.py", 2, str(out))
+    return out
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_two_ranks_equal_one_rank_with_double_batch(two_ranks: Path, tmp_path: Path) -> None:
+    """2 ranks x batch 2 == 1 rank x batch 4 after 20 AdamW steps (tolerance 1e-5, fp32 reduction order)."""
+    ddp = load_file(str(two_ranks / "parity.safetensors"))
+    single = jobs.parity_job(tmp_path, per_device_batch=4)
+    initial = jobs.tiny_llama(0).state_dict()
+    assert _max_diff(single, initial) > 1e-2, "the job must move the weights for the comparison to mean anything"
+    assert _max_diff(ddp, single) < 1e-5
+
+
+def test_ddp_mid_epoch_resume_is_bitwise_equal(two_ranks: Path) -> None:
+    info = json.loads((two_ranks / "results.json").read_text())["resume"]
+    assert info["interrupted_at"] == 4 and info["steps_resumed"] == info["steps_full"] == 12
+    full = load_file(str(two_ranks / "resume_full.safetensors"))
+    resumed = load_file(str(two_ranks / "resume_resumed.safetensors"))
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+
+
+def test_ddp_eval_counts_every_sample_once(two_ranks: Path, tmp_path: Path) -> None:
+    """7 samples on 2 ranks: the duplicated sample that evens the last round is dropped."""
+    metrics = json.loads((two_ranks / "results.json").read_text())["eval"]
+    data = jobs.lm_dataset(7, seed=5)
+    assert metrics["eval_n_samples"] == 7
+    assert metrics["eval_label_sum"] == int(np.asarray(data["labels"]).sum())
+    single = jobs.eval_job(tmp_path)
+    assert single["metrics"]["eval_n_samples"] == 7
+    ddp_predictions = np.load(two_ranks / "predictions.npy")
+    assert ddp_predictions.shape == single["predictions"].shape
+    np.testing.assert_allclose(ddp_predictions, single["predictions"], atol=1e-5)
