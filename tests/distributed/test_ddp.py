@@ -12,7 +12,7 @@ import torch
 from launch import run_ranks
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.compat, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).parent
 
