@@ -49,7 +49,9 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Clear gradients at a sync boundary only, so accumulating loops keep every micro-batch's."""
+        if self.engine.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> None:
         """Step at a sync boundary (through the scaler for fp16); a no-op on other micro-batches."""

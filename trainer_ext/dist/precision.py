@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any
 
 import torch
@@ -61,21 +62,24 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def patch_forward(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Run ``model.forward`` under autocast with fp32 outputs; idempotent."""
+        """Run ``model.forward`` under autocast with fp32 outputs; idempotent, survives ``deepcopy``."""
         if self.dtype is None or getattr(model, "_trainer_ext_autocast", None) == self.mode:
             return model
-        original = model.forward
-        if not hasattr(model, "_original_forward"):
+        # Start from the unpatched forward (also when re-patching for another mode), and bind the
+        # wrapper as a method so that a deep copy of the model runs its own weights, not ours.
+        original = model.__dict__.get("_original_forward") or model.forward
+        func = original.__func__ if getattr(original, "__self__", None) is model else None
+        if "_original_forward" not in model.__dict__:
             model._original_forward = original
         autocast = self.autocast
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(func or original)
+        def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with autocast():
-                out = original(*args, **kwargs)
+                out = func(module, *args, **kwargs) if func is not None else original(*args, **kwargs)
             return _to_fp32(out)
 
-        model.forward = forward
+        model.forward = types.MethodType(forward, model)
         model._trainer_ext_autocast = self.mode
         return model
 

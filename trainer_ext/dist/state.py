@@ -10,7 +10,6 @@ import atexit
 import contextlib
 import gc
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,15 +63,22 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int | 
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as ``gpu[003-007,010],cpu1`` (-> ``gpu003``)."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
+    """The first host of a SLURM node list: ``gpu[003-007,010],cpu1`` -> ``gpu003``, ``r[1-2]-n[4,6]`` -> ``r1-n4``."""
+    text, host, i = nodelist.strip(), "", 0
+    while i < len(text) and text[i] != ",":
+        if text[i] == "[":
+            end = text.find("]", i)
+            if end < 0:
+                host = ""
+                break
+            host += text[i + 1 : end].split(",")[0].split("-")[0]
+            i = end + 1
+        else:
+            host += text[i]
+            i += 1
+    if not host:
         raise ConfigError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR explicitly")
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return host
 
 
 def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
