@@ -24,7 +24,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, get_lin
 
 SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, seq=64, batch=8),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, seq=128, batch=8),
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, seq=128, batch=8
+    ),
 }
 
 
@@ -32,7 +34,9 @@ def build(size: str, n_samples: int, seed: int = 0) -> tuple[LlamaForCausalLM, D
     spec = dict(SIZES[size])
     seq, batch = spec.pop("seq"), spec.pop("batch")
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=1024, max_position_embeddings=seq, num_key_value_heads=spec["num_attention_heads"], **spec)
+    config = LlamaConfig(
+        vocab_size=1024, max_position_embeddings=seq, num_key_value_heads=spec["num_attention_heads"], **spec
+    )
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (n_samples, seq), generator=g)
@@ -122,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import_s = time.perf_counter() - t0
     runners = {
         "plain PyTorch loop": lambda: run_plain(opts.size, opts.steps, opts.warmup),
-        "trainer_ext.Trainer": lambda: run_trainer(Trainer, TrainingArguments, opts.size, opts.steps, opts.warmup, opts.out),
+        "trainer_ext.Trainer": lambda: run_trainer(
+            Trainer, TrainingArguments, opts.size, opts.steps, opts.warmup, opts.out
+        ),
     }
     if importlib.util.find_spec("accelerate") is not None:
         import transformers
