@@ -1,0 +1,184 @@
+"""``trainer_ext.train`` end to end: tiny real runs that save, load back, resume, and refuse foreign runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from trainer_ext.api import train
+from trainer_ext.errors import ConfigError
+from trainer_ext.output_dir import RUN_FILE
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
+
+
+def tiny(out, **overrides):
+    """A job that takes a few seconds: a few steps of a tiny model on a slice of the shipped data."""
+    values = dict(
+        output_dir=str(out),
+        max_steps=3,
+        max_train_samples=128,
+        max_eval_samples=32,
+        per_device_train_batch_size=16,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    values.update(overrides)
+    return values
+
+
+class Capture(transformers.TrainerCallback):
+    """Keeps the trained model and tokenizer the Trainer hands to callbacks at the end of training."""
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        self.model, self.tokenizer = model, processing_class
+
+
+@pytest.mark.timeout(120)
+def test_classification_saves_a_model_that_loads_back_identically(tmp_path):
+    out = tmp_path / "out"
+    capture = Capture()
+    metrics = train(tiny(out), callbacks=[capture])
+
+    assert {"train_loss", "eval_loss", "eval_accuracy", "eval_baseline_accuracy"} <= metrics.keys()
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert (out / "model.safetensors").is_file() and not (out / "pytorch_model.bin").exists()
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file() and (out / RUN_FILE).is_file()
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] == pytest.approx(metrics["eval_loss"])
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    texts = ["the plot was not good .", "what a wonderful film !", "an unseen zebra word"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    assert (
+        batch["input_ids"].tolist()
+        == capture.tokenizer(texts, padding=True, return_tensors="pt")["input_ids"].tolist()
+    )
+    assert tokenizer.unk_token_id in batch["input_ids"][2].tolist()
+    with torch.no_grad():
+        capture.model.eval()
+        assert torch.equal(model(**batch).logits, capture.model(**batch).logits)
+
+
+@pytest.mark.timeout(120)
+def test_causal_lm_from_flags(tmp_path):
+    out = tmp_path / "out"
+    metrics = train(
+        [
+            "--task",
+            "causal-lm",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--max_train_samples",
+            "200",
+            "--max_eval_samples",
+            "40",
+            "--max_seq_length",
+            "64",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(tokenizer)
+    ids = tokenizer("anna has", return_tensors="pt")["input_ids"]
+    assert ids[0, 0].item() == tokenizer.bos_token_id and ids[0, -1].item() == tokenizer.eos_token_id
+    generated = model.generate(ids[:, :-1], max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] == ids.shape[1] - 1 + 3
+
+
+@pytest.mark.timeout(120)
+def test_own_csv_with_integer_classes_and_inferred_columns(tmp_path):
+    rows = ["review,stars"] + [f"review number {i} says {'bad ok great'.split()[i % 3]},{i % 3}" for i in range(60)]
+    data = tmp_path / "reviews.csv"
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    metrics = train(tiny(out, train_file=str(data), label_column="stars", max_train_samples=None))
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.num_labels == 3 and config.id2label == {0: "0", 1: "1", 2: "2"}
+    assert metrics["eval_samples"] == 6.0  # 10% of 60 held out
+    run = json.loads((out / RUN_FILE).read_text())["job"]
+    assert (run["text_column"], run["label_column"]) == ("review", "stars")
+
+
+@pytest.mark.timeout(180)
+def test_resume_needs_to_be_asked_for(tmp_path):
+    out = tmp_path / "out"
+    train(tiny(out, max_steps=2, save_strategy="steps", save_steps=2))
+    assert (out / "checkpoint-2").is_dir()
+    with pytest.raises(ConfigError, match="holds checkpoints of this job"):
+        train(tiny(out, max_steps=4, save_strategy="steps", save_steps=2))
+    train(tiny(out, max_steps=4, save_strategy="steps", save_steps=2, resume_from_checkpoint="true"))
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and (out / "checkpoint-4").is_dir() and (out / "checkpoint-2").is_dir()
+
+
+@pytest.mark.timeout(180)
+def test_another_job_is_refused_until_overwrite(tmp_path):
+    out = tmp_path / "out"
+    train(tiny(out, max_steps=2, save_strategy="steps", save_steps=2))
+    other = tiny(out, task="causal-lm", max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.raises(ConfigError, match=r"different job \(task: 'sequence-classification' -> 'causal-lm'"):
+        train(other)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    train({**other, "overwrite_output_dir": True})
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert transformers.AutoConfig.from_pretrained(out / "checkpoint-2").model_type == "llama"
+    assert json.loads((out / RUN_FILE).read_text())["job"]["task"] == "causal-lm"
+    assert transformers.AutoConfig.from_pretrained(out).model_type == "llama"
+
+
+def test_same_job_without_checkpoints_runs_again(tmp_path):
+    out = tmp_path / "out"
+    first = train(tiny(out, max_steps=1))
+    again = train(tiny(out, max_steps=1))
+    assert again["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-6)  # seeded: the same run again
+
+
+def test_missing_column_is_reported_before_writing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="its columns: label, text"):
+        train(tiny(out, text_column="sentence"))
+    assert not out.exists()
+
+
+def run_cli(*argv, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "trainer_ext", "train", *argv], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_default_job_learns(tmp_path):
+    out = tmp_path / "default"
+    proc = run_cli("--output_dir", str(out), "--disable_tqdm", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "all_results.json").read_text())
+    assert metrics["eval_accuracy"] >= 0.9 > metrics["eval_baseline_accuracy"] + 0.3
+    assert metrics["eval_loss"] < 0.35 < math.log(2)
+    assert "eval_accuracy" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_causal_lm_example_learns(tmp_path):
+    out = tmp_path / "clm"
+    proc = run_cli("--config", str(EXAMPLES / "causal_lm.yaml"), "--output_dir", str(out), "--disable_tqdm", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "all_results.json").read_text())
+    vocab = transformers.AutoConfig.from_pretrained(out).vocab_size
+    assert metrics["eval_perplexity"] < 4 < vocab / 10

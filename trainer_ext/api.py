@@ -1,0 +1,328 @@
+"""``train(args)``: one fine-tuning job from one arguments object — data, tokenizer, model, Trainer, save.
+
+Every check on user input runs before anything is written to ``output_dir``, so a failed start leaves
+nothing there that a later resume could mistake for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+import transformers
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+from . import output_dir
+from .arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
+from .errors import ConfigError, did_you_mean
+
+logger = logging.getLogger(__name__)
+
+# Specials of the word-level tokenizer built for models trained from scratch, in id order.
+SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "bos": "[BOS]", "eos": "[EOS]"}
+
+
+def train(
+    args: TrainJobArguments | Mapping[str, Any] | Sequence[str],
+    callbacks: Sequence[transformers.TrainerCallback] | None = None,
+) -> dict[str, float]:
+    """Run one job (train, evaluate, save model + tokenizer + config) and return its train and eval metrics.
+
+    ``args`` is the arguments object, a dict of its fields, or command-line flags; ``callbacks`` go to the Trainer.
+    """
+    args = _as_job_arguments(args)
+    if args.process_index == 0 and args.auto_filled:
+        filled = ", ".join(f"{k}={v}" for k, v in args.auto_filled.items())
+        logger.info("%s job; defaults filled in (any flag overrides them): %s", args.task, filled)
+    with args.main_process_first(local=False, desc="loading data"):
+        raw = load_raw_datasets(args)
+    text_column, label_column = resolve_columns(args, raw)
+    args.text_column, args.label_column = text_column, label_column  # the job's fingerprint names the real columns
+    resume = output_dir.check(args)
+    labels = label_names(args, raw, label_column) if label_column else None
+
+    transformers.set_seed(args.seed)  # the same initial weights for a model from scratch on every run and rank
+    tokenizer = build_tokenizer(args, raw["train"][text_column])
+    model = build_model(args, tokenizer, labels)
+    with args.main_process_first(desc="tokenizing"):
+        tokenized = tokenize(args, raw, tokenizer, text_column, label_column, labels)
+
+    from .trainer import Trainer
+
+    classify = args.task == "sequence-classification"
+    collator = (
+        DataCollatorWithPadding(tokenizer) if classify else DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    )
+    try:
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=tokenized["train"],
+            eval_dataset=tokenized.get("validation"),
+            processing_class=tokenizer,
+            data_collator=collator,
+            compute_metrics=accuracy if classify else None,
+            callbacks=list(callbacks or []),
+        )
+    except (ImportError, ValueError) as error:  # e.g. --report_to naming a tracker that is not installed
+        raise ConfigError(" ".join(str(error).split())) from error
+    except RuntimeError as error:
+        if "install" not in str(error):
+            raise
+        raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
+    output_dir.start_run(args, trainer)
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    metrics = {**result.metrics, "train_samples": len(tokenized["train"])}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    if "validation" in tokenized:
+        eval_metrics = trainer.evaluate()
+        eval_metrics["eval_samples"] = len(tokenized["validation"])
+        if classify:
+            eval_metrics["eval_baseline_accuracy"] = majority_share(tokenized["validation"]["labels"])
+        else:
+            eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    trainer.save_state()
+    return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def _as_job_arguments(args: TrainJobArguments | Mapping[str, Any] | Sequence[str]) -> TrainJobArguments:
+    """Accept the dataclass, a dict of field names, or command-line style strings."""
+    if isinstance(args, TrainJobArguments):
+        return args
+    if isinstance(args, Mapping):
+        return job_arguments_from_dict(args)
+    if isinstance(args, Sequence) and not isinstance(args, (str, bytes)):
+        from .cli.parsing import parse_train_args
+
+        return parse_train_args(args)
+    raise TypeError(f"train() takes TrainJobArguments, a dict or a list of flags, not {type(args).__name__}")
+
+
+def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
+    """Load the train split and a validation split (the given one, or held out from train)."""
+    try:
+        if args.dataset_name:
+            raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        else:
+            files = {"train": args.train_file}
+            if args.validation_file:
+                files["validation"] = args.validation_file
+            raw = datasets.load_dataset(data_builder(args.train_file), data_files=files)
+    except ConfigError:
+        raise
+    except Exception as error:  # unreadable file, missing hub dataset, no network: all the user's to fix
+        source = args.dataset_name or args.train_file
+        raise ConfigError(f"could not load data from {source!r}: {' '.join(str(error).split())[:500]}") from error
+    if "train" not in raw:
+        raise ConfigError(f"{args.dataset_name!r} has no 'train' split; its splits: {', '.join(raw)}")
+    raw = datasets.DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
+    if "validation" not in raw and args.validation_split_percentage > 0:
+        parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        raw = datasets.DatasetDict(train=parts["train"], validation=parts["test"])
+    for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
+        if split in raw and limit is not None:
+            raw[split] = raw[split].select(range(min(limit, len(raw[split]))))
+    if len(raw["train"]) == 0:
+        raise ConfigError(f"no training examples in {args.dataset_name or args.train_file!r}")
+    return raw
+
+
+def resolve_columns(args: TrainJobArguments, raw: datasets.DatasetDict) -> tuple[str, str | None]:
+    """The text column and (for classification) the label column; ConfigError listing the columns there."""
+    columns = raw["train"].column_names
+    for split, dataset in raw.items():
+        if dataset.column_names != columns:
+            raise ConfigError(f"the {split} data has columns {dataset.column_names}, the train data {columns}")
+
+    def check(flag: str, name: str) -> str:
+        if name not in columns:
+            raise ConfigError(
+                f"--{flag} {name!r} is not in the data; its columns: {', '.join(columns)}."
+                f"{did_you_mean(name, columns)}"
+            )
+        return name
+
+    label = None
+    if args.task == "sequence-classification":
+        if args.label_column:
+            label = check("label_column", args.label_column)
+        else:
+            label = next((c for c in ("label", "labels") if c in columns), None)
+            if label is None:
+                raise ConfigError(
+                    f"no label column in the data (looked for 'label', 'labels'); pass --label_column. "
+                    f"Its columns: {', '.join(columns)}"
+                )
+    elif args.label_column:
+        logger.warning("--label_column is ignored for --task causal-lm")
+    if args.text_column:
+        return check("text_column", args.text_column), label
+    if "text" in columns:
+        return "text", label
+    features = raw["train"].features
+    texts = [c for c in columns if c != label and getattr(features[c], "dtype", None) in ("string", "large_string")]
+    if len(texts) != 1:
+        raise ConfigError(
+            f"cannot tell which column holds the text; pass --text_column. Columns: {', '.join(columns)}"
+        )
+    return texts[0], label
+
+
+def label_names(args: TrainJobArguments, raw: datasets.DatasetDict, column: str) -> list[str]:
+    """The class names in id order: ClassLabel names, sorted strings, or '0'..'n-1' for integer labels."""
+    feature = raw["train"].features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+    else:
+        values = [v for split in raw.values() for v in split[column]]
+        if any(v is None for v in values):
+            raise ConfigError(f"some rows have no value in the label column {column!r}")
+        if all(isinstance(v, str) for v in values):
+            names = sorted(set(values))
+        elif all(isinstance(v, (int, float)) and float(v).is_integer() and v >= 0 for v in values):
+            names = [str(i) for i in range(int(max(values)) + 1)]
+        else:
+            raise ConfigError(
+                f"the label column {column!r} must hold class names or class ids 0, 1, 2, …; "
+                f"found e.g. {values[0]!r} (regression is not supported)"
+            )
+    if args.num_labels is not None:
+        if args.num_labels < len(names):
+            raise ConfigError(f"--num_labels {args.num_labels} but the data has {len(names)} classes: {names[:10]}")
+        names += [str(i) for i in range(len(names), args.num_labels)]
+    if len(names) < 2:
+        raise ConfigError(f"the label column {column!r} holds only one class ({names}); classification needs two")
+    return names
+
+
+def build_tokenizer(args: TrainJobArguments, texts: Sequence[str]) -> transformers.PreTrainedTokenizerBase:
+    """The named or the model's tokenizer; for a model from scratch, a word-level one built from the texts."""
+    name = args.tokenizer_name or args.model_name_or_path
+    if name:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ConfigError(
+                f"could not load the tokenizer {name!r}: {' '.join(str(error).split())[:400]}"
+            ) from error
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        return tokenizer
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    specials = list(SPECIAL_TOKENS.values())
+    backend = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk"]))
+    backend.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.train_from_iterator(
+        (t for t in texts if t),
+        trainers.WordLevelTrainer(vocab_size=16384, special_tokens=specials, show_progress=False),
+    )
+    first, last = ("[CLS]", "[SEP]") if args.task == "sequence-classification" else ("[BOS]", "[EOS]")
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}",
+        pair=f"{first} $A {last} $B {last}",
+        special_tokens=[(first, backend.token_to_id(first)), (last, backend.token_to_id(last))],
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_max_length=args.max_seq_length,
+        **{f"{role}_token": token for role, token in SPECIAL_TOKENS.items()},
+    )
+
+
+def build_model(
+    args: TrainJobArguments, tokenizer: transformers.PreTrainedTokenizerBase, labels: list[str] | None
+) -> transformers.PreTrainedModel:
+    """Load the pretrained model, or build a new one from the config/preset sized to the tokenizer."""
+    auto = transformers.AutoModelForSequenceClassification if labels else transformers.AutoModelForCausalLM
+    label_kwargs = (
+        dict(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
+        if labels
+        else {}
+    )
+    try:
+        if args.model_name_or_path:
+            model = auto.from_pretrained(
+                args.model_name_or_path, trust_remote_code=args.trust_remote_code, **label_kwargs
+            )
+        else:
+            config = model_config(args)
+            config.update(dict(vocab_size=len(tokenizer), **label_kwargs))
+            config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+            config.eos_token_id = tokenizer.eos_token_id
+            if labels is None and config.model_type == "bert":
+                config.is_decoder = True
+            model = auto.from_config(config, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        what = args.model_name_or_path or args.model_config or "the preset"
+        raise ConfigError(
+            f"could not build a {args.task} model from {what!r}: {' '.join(str(error).split())[:400]}"
+        ) from error
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def model_config(args: TrainJobArguments) -> transformers.PretrainedConfig:
+    """The config of a model to build from scratch: a preset, a config.json file, or a directory holding one."""
+    name = args.model_config or DEFAULT_PRESET[args.task]
+    if name in PRESETS:
+        values = dict(PRESETS[name])
+        positions = max(values.get("max_position_embeddings", values.get("n_positions", 0)), args.max_seq_length)
+        values["n_positions" if "n_positions" in values else "max_position_embeddings"] = positions
+        return transformers.AutoConfig.for_model(**values)
+    return transformers.AutoConfig.from_pretrained(name)
+
+
+def tokenize(
+    args: TrainJobArguments,
+    raw: datasets.DatasetDict,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    text_column: str,
+    label_column: str | None,
+    labels: list[str] | None,
+) -> dict[str, datasets.Dataset]:
+    """Token ids per example (classification) or fixed-size blocks of concatenated text (causal-lm)."""
+    ids = {name: i for i, name in enumerate(labels or [])}
+
+    def encode_classification(batch: dict[str, list]) -> dict[str, list]:
+        encoded = tokenizer(batch[text_column], truncation=True, max_length=args.max_seq_length)
+        encoded["labels"] = [ids[v] if isinstance(v, str) else int(v) for v in batch[label_column]]
+        return encoded
+
+    def encode_blocks(batch: dict[str, list]) -> dict[str, list]:
+        texts = [t for t in batch[text_column] if t and t.strip()]
+        stream = [token for example in tokenizer(texts)["input_ids"] for token in example]
+        size = args.max_seq_length
+        blocks = [stream[i : i + size] for i in range(0, len(stream), size)]
+        return {"input_ids": blocks, "attention_mask": [[1] * len(b) for b in blocks]}
+
+    encode = encode_classification if label_column else encode_blocks
+    return {
+        split: dataset.map(
+            encode, batched=True, batch_size=1000, remove_columns=dataset.column_names, desc=f"tokenizing {split}"
+        )
+        for split, dataset in raw.items()
+    }
+
+
+def accuracy(eval_pred: transformers.EvalPrediction) -> dict[str, float]:
+    """Share of examples whose highest logit is the label (computed here: no hub fetch for a metric)."""
+    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+    return {"accuracy": float((np.argmax(logits, axis=-1) == eval_pred.label_ids).mean())}
+
+
+def majority_share(labels: Sequence[int]) -> float:
+    """Accuracy of always answering the most frequent class: the bar a model must clear to have learned."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    return float(counts.max() / counts.sum()) if counts.size else 0.0

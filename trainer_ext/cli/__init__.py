@@ -1,0 +1,1 @@
+"""The ``trainer-ext`` command line (``trainer_ext.cli.main:main``)."""

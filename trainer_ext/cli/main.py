@@ -1,0 +1,79 @@
+"""``trainer-ext``: dispatches subcommands; bad input ends in one ``error:`` line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError, did_you_mean
+
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: ``module:function`` taking the remaining argv and returning an exit code (imported lazily)."""
+
+    help: str
+    target: str
+
+    def load(self):
+        module, function = self.target.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+# New subcommands (launch, config, env, test) register here; their modules are imported only when run.
+COMMANDS: dict[str, Command] = {
+    "train": Command(
+        "train or fine-tune a model (no arguments: the built-in demo job)", "trainer_ext.cli.main:run_train"
+    ),
+}
+
+
+def run_train(argv: Sequence[str]) -> int:
+    """``trainer-ext train``: parse flags and config files, run the job, report where the model went."""
+    from ..api import train
+    from .parsing import parse_train_args
+
+    args = parse_train_args(argv)
+    is_main = args.process_index == 0
+    logging.basicConfig(
+        format="%(levelname)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING
+    )
+    train(args)
+    if is_main:
+        print(f"model, tokenizer and config saved to {args.output_dir}")
+    return 0
+
+
+def _usage() -> str:
+    lines = ["usage: trainer-ext <command> [flags]", "", "commands:"]
+    lines += [f"  {name:<8} {command.help}" for name, command in COMMANDS.items()]
+    lines += ["", "Run 'trainer-ext <command> --help' for the flags of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``trainer-ext`` and ``python -m trainer_ext``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_USAGE
+    name, rest = argv[0], argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"error: unknown command {name!r}.{did_you_mean(name, COMMANDS)}\n\n{_usage()}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return command.load()(rest)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exit_:  # --help prints and exits 0
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

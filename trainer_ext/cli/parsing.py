@@ -1,0 +1,142 @@
+"""Turn ``trainer-ext train`` arguments into TrainJobArguments: config files first, command line over them.
+
+Precedence, lowest to highest: transformers' defaults < our automatic defaults (see
+``trainer_ext.arguments.AUTO_DEFAULTS``) < ``--config`` files in the order given < command-line flags.
+``--a-b`` and ``--a_b`` are the same flag; an unknown flag or config key is an error naming the closest valid
+names. Every failure is a ConfigError, so the CLI can report it in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from ..arguments import TrainJobArguments, field_names, normalize_keys
+from ..errors import ConfigError, closest, did_you_mean
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class _RaiseOnError:
+    """Argparse mixin: errors raise ConfigError instead of printing usage and exiting the process."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+class _Parser(_RaiseOnError, HfArgumentParser):
+    """HfArgumentParser that raises ConfigError."""
+
+
+class _PreParser(_RaiseOnError, argparse.ArgumentParser):
+    """Finds the --config files before the real parse."""
+
+
+def build_parser(prog: str = "trainer-ext train") -> HfArgumentParser:
+    """The parser for every TrainJobArguments field, plus ``--config``."""
+    parser = _Parser(
+        TrainJobArguments,
+        prog=prog,
+        allow_abbrev=False,  # a prefix of a flag must not silently pick some other flag
+        description="Fine-tune or train a model. With no arguments, trains a small classifier on shipped data.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        action="append",
+        help="YAML or JSON file of flag values (keys are flag names). Flags on the command line override it; "
+        "with several files the later one wins.",
+    )
+    return parser
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The key/value mapping in a YAML or JSON config file, keys normalised; ConfigError on any problem."""
+    if not path.lower().endswith(CONFIG_SUFFIXES):
+        raise ConfigError(f"--config {path!r}: unsupported file type; use {', '.join(CONFIG_SUFFIXES)}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path!r}: no such file. Check the path.")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            values = json.load(handle) if path.lower().endswith(".json") else yaml.safe_load(handle)
+        except (yaml.YAMLError, json.JSONDecodeError) as error:
+            raise ConfigError(
+                f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                f"{' '.join(str(error).split())}"
+            ) from error
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"--config {path!r} must hold a mapping of flag names to values, got {type(values).__name__}"
+        )
+    return normalize_keys(values, field_names(), f"config file {path!r}")
+
+
+def _coerce(action: argparse.Action, value: Any, source: str) -> Any:
+    """Convert a config value with the flag's own type so a file and the command line mean the same."""
+    name = action.dest
+    if value is None or isinstance(value, (bool, dict)) or action.type is None:
+        return value
+    many = action.nargs in ("+", "*")
+    if isinstance(value, list):
+        if not many:
+            return value  # a list where a flag takes one string (e.g. report_to): the dataclass accepts it
+        return [_coerce_one(action, item, name, source) for item in value]
+    converted = _coerce_one(action, value, name, source)
+    return [converted] if many else converted
+
+
+def _coerce_one(action: argparse.Action, value: Any, name: str, source: str) -> Any:
+    if action.type is int and isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{name}: {value!r} in {source} is not a whole number")
+    try:
+        converted = action.type(str(value) if not isinstance(value, (int, float)) else value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+        raise ConfigError(f"{name}: cannot read {value!r} in {source}: {error}") from error
+    if action.choices is not None and converted not in action.choices:
+        choices = [str(c) for c in action.choices]
+        raise ConfigError(
+            f"{name}: {value!r} in {source} is not one of {', '.join(choices)}.{did_you_mean(str(value), choices)}"
+        )
+    return converted
+
+
+def _unknown_flag_error(extras: Sequence[str], parser: argparse.ArgumentParser) -> ConfigError:
+    """A ConfigError naming the first unknown flag (or stray word) and the closest valid flags."""
+    flags = [word for word in extras if word.startswith("-")]
+    if not flags:
+        return ConfigError(f"unexpected argument {extras[0]!r}; flags look like --name value")
+    given = flags[0].split("=", 1)[0]
+    valid = sorted({s.lstrip("-").replace("-", "_") for a in parser._actions for s in a.option_strings})
+    matches = closest(given.lstrip("-").replace("-", "_"), valid)
+    hint = " Did you mean " + " or ".join(f"--{m}" for m in matches) + "?" if matches else ""
+    return ConfigError(f"unknown flag {given}.{hint} (all flags: trainer-ext train --help)")
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainJobArguments:
+    """Parse ``trainer-ext train`` arguments (with ``--config`` files) into validated TrainJobArguments."""
+    argv = list(argv)
+    pre = _PreParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", action="append", default=[])
+    found, _ = pre.parse_known_args(argv)
+
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if not isinstance(a, argparse._StoreFalseAction)}
+    defaults: dict[str, Any] = {}
+    for path in found.config:
+        source = f"config file {path!r}"
+        defaults.update({k: _coerce(actions[k], v, source) for k, v in load_config_file(path).items()})
+    parser.set_defaults(**defaults)
+
+    namespace, extras = parser.parse_known_args(argv)
+    if extras:
+        raise _unknown_flag_error(extras, parser)
+    values = {k: v for k, v in vars(namespace).items() if k != "config"}
+    return TrainJobArguments(**values)

@@ -1,0 +1,11 @@
+"""The small data files that ship with the package, so the default job needs no network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent
+SENTIMENT = DATA_DIR / "sentiment.jsonl"
+CORPUS = DATA_DIR / "corpus.jsonl"
+
+__all__ = ["CORPUS", "DATA_DIR", "SENTIMENT"]

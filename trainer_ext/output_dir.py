@@ -1,0 +1,139 @@
+"""The output-directory guard: never train over another job's run, never resume by accident, delete only on request.
+
+A job writes ``trainer_ext_run.json`` (the fingerprint of its model, data and task) when it starts. A later
+job in the same directory must have the same fingerprint; with checkpoints present it must also say whether
+to resume (``--resume_from_checkpoint``) or start over (``--overwrite_output_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from .arguments import TrainJobArguments
+from .errors import ConfigError
+
+RUN_FILE = "trainer_ext_run.json"
+# What a finished run leaves in output_dir besides checkpoints; removed by --overwrite_output_dir.
+RUN_ARTIFACTS = (
+    RUN_FILE,
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "training_args.bin",
+    "trainer_state.json",
+    "train_results.json",
+    "eval_results.json",
+    "all_results.json",
+)
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
+_TRUE = ("true", "yes", "1", "latest", "last")
+_FALSE = ("false", "no", "0", "none", "")
+
+
+def checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders in ``directory``, oldest first."""
+    found = [p for p in Path(directory).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1)
+
+
+def read_fingerprint(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The job fingerprint a previous run left in ``directory``, or None."""
+    path = Path(directory) / RUN_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("job")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def resume_target(args: TrainJobArguments) -> bool | str | None:
+    """``--resume_from_checkpoint`` as Trainer.train wants it: None, True (latest in output_dir) or a path."""
+    value = args.resume_from_checkpoint
+    if value is None or str(value).strip().lower() in _FALSE:
+        return None
+    if str(value).strip().lower() in _TRUE:
+        return True
+    if not os.path.isdir(value):
+        raise ConfigError(
+            f"--resume_from_checkpoint {value!r}: no such checkpoint directory. Pass a checkpoint-N "
+            "folder, or 'true' for the latest checkpoint in --output_dir"
+        )
+    return value
+
+
+def check(args: TrainJobArguments) -> bool | str | None:
+    """Refuse an output_dir holding another job's run or unrequested checkpoints; return the resume target.
+
+    Reads only; runs on every rank before anything is written, so all ranks agree.
+    """
+    out = Path(args.output_dir)
+    resume = resume_target(args)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {str(out)!r} is a file; pass a directory")
+    found = checkpoints(out) if out.is_dir() else []
+    if resume is True:
+        if args.overwrite_output_dir:
+            raise ConfigError(
+                "--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint true "
+                "would resume from; pass one of the two"
+            )
+        if not found:
+            raise ConfigError(
+                f"--resume_from_checkpoint: no checkpoint in {str(out)!r} to resume from. Drop the flag "
+                "to start a new run, or pass the path of a checkpoint folder"
+            )
+    holds_run = bool(found) or any((out / name).exists() for name in MODEL_FILES + (RUN_FILE,))
+    if not holds_run or args.overwrite_output_dir:
+        return resume
+    previous = read_fingerprint(out)
+    if previous != args.fingerprint():
+        raise ConfigError(
+            f"--output_dir {str(out)!r} already holds a run of a different job ({_difference(previous, args)}). "
+            "Pick another --output_dir, or pass --overwrite_output_dir to replace that run"
+        )
+    if found and resume is None:
+        latest = get_last_checkpoint(str(out)) or str(found[-1])
+        raise ConfigError(
+            f"--output_dir {str(out)!r} holds checkpoints of this job (latest: {os.path.basename(latest)}). Pass "
+            "--resume_from_checkpoint true to continue from the latest one, or --overwrite_output_dir to start over"
+        )
+    return resume
+
+
+def _difference(previous: dict[str, Any] | None, args: TrainJobArguments) -> str:
+    """A short account of how the previous run's job differs from this one."""
+    if previous is None:
+        return f"no {RUN_FILE}: not written by trainer-ext train"
+    current = args.fingerprint()
+    changed = [f"{k}: {previous.get(k)!r} -> {current[k]!r}" for k in current if previous.get(k) != current[k]]
+    return "; ".join(changed[:3]) or "different fingerprint"
+
+
+def start_run(args: TrainJobArguments, trainer: Any) -> None:
+    """On the main process: clear a replaced run (--overwrite_output_dir) and write this job's fingerprint."""
+    with args.main_process_first(local=False, desc="preparing output_dir"):
+        if not trainer.is_world_process_zero():
+            return
+        out = Path(args.output_dir)
+        if args.overwrite_output_dir and out.is_dir():
+            for checkpoint in checkpoints(out):
+                shutil.rmtree(checkpoint)
+            for name in RUN_ARTIFACTS:
+                (out / name).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{RUN_FILE}.tmp"
+        tmp.write_text(
+            json.dumps({"trainer_ext_run": 1, "job": args.fingerprint()}, indent=2) + "\n", encoding="utf-8"
+        )
+        os.replace(tmp, out / RUN_FILE)
