@@ -182,3 +182,11 @@ def test_causal_lm_example_learns(tmp_path):
     metrics = json.loads((out / "all_results.json").read_text())
     vocab = transformers.AutoConfig.from_pretrained(out).vocab_size
     assert metrics["eval_perplexity"] < 4 < vocab / 10
+
+
+def test_classification_loss_is_a_mean_under_gradient_accumulation(tmp_path):
+    """With 2 micro-batches the logged loss of an untrained 2-class model is ~ln 2, not 2 ln 2."""
+    metrics = train(
+        tiny(tmp_path, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-12, per_device_train_batch_size=8)
+    )
+    assert abs(metrics["train_loss"] - math.log(2)) < 0.15
