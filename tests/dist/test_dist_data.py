@@ -23,6 +23,7 @@ from trainer_ext.dist import (
     skip_first_batches,
 )
 from trainer_ext.dist.data import shard_dataloader
+from trainer_ext.errors import ConfigError
 
 
 class CountingDataset(Dataset):
@@ -298,7 +299,7 @@ def test_already_sharded_loader_is_returned_as_is() -> None:
 def test_iterable_dataset() -> None:
     plain = DataLoader(Stream(), batch_size=2)
     assert shard_dataloader(plain, num_processes=1, process_index=0, gradient_state=GradientState(), seed=0) is plain
-    with pytest.raises(NotImplementedError, match="map-style"):
+    with pytest.raises(ConfigError, match="map-style"):
         shard_dataloader(plain, num_processes=2, process_index=0, gradient_state=GradientState(), seed=0)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from ..errors import ConfigError
 from .accumulation import GradientState
 
 
@@ -224,7 +225,7 @@ def shard_dataloader(
         return dataloader
     if isinstance(dataloader.dataset, IterableDataset):
         if num_processes > 1:
-            raise NotImplementedError(
+            raise ConfigError(
                 "iterable datasets are not sharded across processes yet; convert it to a map-style dataset "
                 "(e.g. datasets.Dataset) for multi-process training"
             )
