@@ -33,3 +33,28 @@ def lm_dataset(n: int, seq_len: int = 12, seed: int = 0) -> Dataset:
     start = torch.randint(3, VOCAB - seq_len, (n, 1), generator=g)
     ids = (start + torch.arange(seq_len)).clamp(max=VOCAB - 1)
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def ragged_lm_dataset(n: int, min_len: int = 4, max_len: int = 16, seed: int = 0) -> Dataset:
+    """``n`` sequences of random length in [min_len, max_len] with the same learnable pattern."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        start = int(torch.randint(3, VOCAB - length, (1,), generator=g))
+        rows.append(list(range(start, start + length)))
+    return Dataset.from_dict({"input_ids": rows})
+
+
+def pad_right(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Pad a batch on the right: pad id 0, labels -100 on padding, attention mask."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    labels = torch.full((len(features), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(features), longest, dtype=torch.long)
+    for i, f in enumerate(features):
+        row = torch.as_tensor(f["input_ids"])
+        ids[i, : len(row)] = row
+        labels[i, : len(row)] = row
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

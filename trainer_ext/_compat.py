@@ -10,6 +10,7 @@ to the original for any other. Nothing here imports accelerate.
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import Any
 
 import torch
@@ -133,3 +134,32 @@ def uses_activation_checkpointing(model: Any, args: Any) -> bool:
     if on_args is None:
         on_args = getattr(args, "gradient_checkpointing", False)
     return bool(on_model or on_args)
+
+
+def loss_uses_num_items(model: Any) -> bool | None:
+    """Does ``model.forward`` pass ``num_items_in_batch`` on to its loss? None when its source is unreadable.
+
+    transformers assumes so for any forward taking ``**kwargs``; many heads (BERT classifiers, the generic
+    sequence-classification head) compute a plain mean instead, and the Trainer then scales their loss by
+    the world size and skips the division by the accumulation steps.
+    """
+    import ast
+    import textwrap
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    forward = getattr(type(base), "forward", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    loss_calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "loss_function"
+    ]
+    if not loss_calls:
+        return any(isinstance(n, ast.Name) and n.id == "num_items_in_batch" for n in ast.walk(tree))
+    return any(kw.arg is None or kw.arg == "num_items_in_batch" for call in loss_calls for kw in call.keywords)

@@ -74,11 +74,6 @@ def train(
         if "install" not in str(error):
             raise
         raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
-    if classify:
-        # Most classification heads compute a plain mean loss and ignore `num_items_in_batch` although their
-        # forward takes **kwargs; the Trainer would then skip the division by the accumulation steps and
-        # multiply by the world size. One label per sample: the per-micro-batch mean is the right loss.
-        trainer.model_accepts_loss_kwargs = False
     output_dir.start_run(args, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()

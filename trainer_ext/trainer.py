@@ -12,12 +12,15 @@ from typing import Any
 
 import transformers
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from . import _compat
+from .callbacks.run_summary import RunSummaryCallback
 from .dist.engine import Engine
 from .errors import ConfigError
 from .training_args import TrainingArguments
 
+logger = logging.get_logger(__name__)
 _compat.install()
 
 
@@ -52,6 +55,28 @@ class Trainer(transformers.Trainer):
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         super().__init__(model=model, args=args, **kwargs)
+        self._fix_loss_kwargs_detection()
+        self.add_callback(RunSummaryCallback(self))
+
+    def _fix_loss_kwargs_detection(self) -> None:
+        """Only trust token-count normalisation from models whose loss really uses ``num_items_in_batch``."""
+        if self.model is None or not self.model_accepts_loss_kwargs or self.compute_loss_func is not None:
+            return
+        uses = _compat.loss_uses_num_items(self.accelerator.unwrap_model(self.model))
+        if uses is False:
+            # transformers would skip the 1/accumulation division and multiply by the world size for a loss
+            # that is already a per-micro-batch mean; treat it as the mean it is.
+            self.model_accepts_loss_kwargs = False
+            logger.info(
+                "%s computes its loss without num_items_in_batch: the loss is averaged per micro-batch",
+                type(self.model).__name__,
+            )
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add the count of optimizer steps skipped by the fp16 loss scaler to the training logs."""
+        if self.accelerator.scaler is not None and "loss" in logs:
+            logs["skipped_optimizer_steps"] = self.accelerator.skipped_steps
+        super().log(logs, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Build the engine in place of ``accelerate.Accelerator`` and set what ``__init__`` reads next."""
@@ -84,6 +109,7 @@ class Trainer(transformers.Trainer):
             use_seedable_sampler=config.use_seedable_sampler,
             torch_compile=compile_kwargs,
             gradient_accumulation_plugin_kwargs=grad_acc_kwargs,
+            scaler_kwargs={"init_scale": args.fp16_init_scale, "growth_interval": args.fp16_growth_interval},
         )
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:

@@ -6,7 +6,7 @@ started by our :class:`~trainer_ext.dist.DistState` (gloo on CPU, NCCL on CUDA, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -23,7 +23,33 @@ _compat.install()
 
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
-    """transformers' TrainingArguments, set up without accelerate (see the class docs upstream)."""
+    """transformers' TrainingArguments, set up without accelerate (see the class docs upstream).
+
+    Extra flags: ``--fp8`` and the fp16 loss-scaler settings ``--fp16_init_scale``/``--fp16_growth_interval``.
+    """
+
+    fp8: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to train Linear layers in float8 (torchao, dynamic scaling) with bf16 autocast for the "
+                "rest. Needs a CUDA GPU of compute capability >= 8.9 and `pip install trainer_ext[fp8]`."
+            )
+        },
+    )
+    fp16_init_scale: float = field(
+        default=2.0**16,
+        metadata={
+            "help": (
+                "Initial loss scale of the fp16 GradScaler. Lower it (e.g. 1024) when the first steps are all "
+                "skipped or the loss turns NaN at the start."
+            )
+        },
+    )
+    fp16_growth_interval: int = field(
+        default=2000,
+        metadata={"help": "Number of consecutive steps without inf/NaN gradients before the fp16 loss scale doubles."},
+    )
 
     def __post_init__(self) -> None:
         self._refuse_unsupported()
@@ -36,6 +62,10 @@ class TrainingArguments(transformers.TrainingArguments):
             raise
         except ValueError as error:
             raise ConfigError(str(error)) from error
+        if self.fp8:
+            if self.fp16 or self.bf16:
+                raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
+            self.mixed_precision = "fp8"
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
 
     def _refuse_unsupported(self) -> None:

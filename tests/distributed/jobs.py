@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiny import lm_dataset, tiny_llama  # noqa: E402
+from tiny import lm_dataset, pad_right, ragged_lm_dataset, tiny_llama  # noqa: E402
 
 from trainer_ext import Trainer, TrainingArguments  # noqa: E402
 
@@ -121,18 +121,92 @@ def eval_job(out: Path, n: int = 7) -> dict:
     return {"metrics": result, "predictions": np.asarray(predictions)}
 
 
+def accumulation_parity_job(
+    out: Path, per_device_batch: int, grad_accum: int, bf16: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Causal LM on variable-length, right-padded sequences: 12 optimizer steps of 8 samples each.
+
+    The loss of a window is normalised by its target tokens over all micro-batches and ranks, so any
+    world size x micro-batch x accumulation with the same global batch must give the same weights.
+    """
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(
+            out,
+            per_device_train_batch_size=per_device_batch,
+            gradient_accumulation_steps=grad_accum,
+            bf16=bf16,
+            learning_rate=3e-3,
+        ),
+        train_dataset=ragged_lm_dataset(48, seed=11),
+        data_collator=pad_right,
+    )
+    trainer.train()
+    info = {
+        "global_step": trainer.state.global_step,
+        "scheduler_steps": trainer.lr_scheduler.last_epoch,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
+    return weights(trainer), info
+
+
+class AllReduceCounter(TrainerCallback):
+    """Counts DDP gradient all-reduces with a communication hook on the wrapped model."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.calls = trainer, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(process_group, bucket):
+            self.calls += 1
+            return allreduce_hook(process_group, bucket)
+
+        self.trainer.model_wrapped.register_comm_hook(None, counting_hook)
+
+
+def allreduce_count_job(out: Path, grad_accum: int = 4) -> dict:
+    """8 optimizer steps of 4 micro-batches: all-reduce only on the last micro-batch of each window."""
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out, gradient_accumulation_steps=grad_accum, max_steps=8, ddp_bucket_cap_mb=512),
+        train_dataset=lm_dataset(2 * 2 * grad_accum * 8),
+    )
+    counter = AllReduceCounter(trainer)
+    trainer.add_callback(counter)
+    trainer.train()
+    return {
+        "allreduce_calls": counter.calls,
+        "optimizer_steps": trainer.state.global_step,
+        "micro_batches": 8 * grad_accum,
+    }
+
+
 def main(out: str) -> None:
     out_dir = Path(out)
     rank = int(os.environ.get("RANK", "0"))
     parity = parity_job(out_dir / "parity", per_device_batch=2)
     resume = resume_jobs(out_dir / "resume", per_device_batch=2, grad_accum=1, stop=4)
     evaluation = eval_job(out_dir / "eval")
+    ga_fp32, ga_fp32_info = accumulation_parity_job(out_dir / "ga_fp32", per_device_batch=2, grad_accum=2)
+    ga_bf16, ga_bf16_info = accumulation_parity_job(out_dir / "ga_bf16", per_device_batch=2, grad_accum=2, bf16=True)
+    allreduce = allreduce_count_job(out_dir / "allreduce")
     if rank == 0:
+        save_file(ga_fp32, str(out_dir / "ga_fp32.safetensors"))
+        save_file(ga_bf16, str(out_dir / "ga_bf16.safetensors"))
         save_file(parity, str(out_dir / "parity.safetensors"))
         save_file(resume["full"], str(out_dir / "resume_full.safetensors"))
         save_file(resume["resumed"], str(out_dir / "resume_resumed.safetensors"))
         np.save(out_dir / "predictions.npy", evaluation["predictions"])
-        result = {"resume": resume["info"], "eval": evaluation["metrics"], "world_size": int(os.environ["WORLD_SIZE"])}
+        result = {
+            "resume": resume["info"],
+            "eval": evaluation["metrics"],
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "ga_fp32": ga_fp32_info,
+            "ga_bf16": ga_bf16_info,
+            "allreduce": allreduce,
+        }
         (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     gc.collect()  # drop the DDP reducers before the group goes
     torch.distributed.barrier()

@@ -57,6 +57,7 @@ class Engine:
         self.torch_compile = torch_compile
         self.parallelism_config = None
         self.step_was_skipped = False
+        self.skipped_steps = 0  # optimizer steps skipped by the fp16 loss scaler (inf/NaN gradients)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[EngineOptimizer] = []
         self._dataloaders: list[DataLoader] = []
@@ -140,7 +141,10 @@ class Engine:
             device_placement = self.device_placement
         if device_placement:
             model = model.to(self.device)
-        self.precision.patch_forward(self.strategy.unwrap(model))
+        inner = self.strategy.unwrap(model)
+        if not evaluation_mode:
+            self.precision.prepare_for_training(inner)
+        self.precision.patch_forward(inner)
         if not evaluation_mode:
             model = self.strategy.wrap(model)
         if self.torch_compile and not hasattr(model, "_orig_mod"):

@@ -61,7 +61,9 @@ class EngineOptimizer(torch.optim.Optimizer):
             self.optimizer.step(closure)
             self.engine.step_was_skipped = False
             return
-        self.engine.step_was_skipped = self.engine.precision.step(self.optimizer)
+        skipped = self.engine.precision.step(self.optimizer)
+        self.engine.step_was_skipped = skipped
+        self.engine.skipped_steps += int(skipped)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

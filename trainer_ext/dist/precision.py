@@ -1,4 +1,4 @@
-"""Mixed precision, independent of the strategy: autocast around ``forward`` and the fp16 GradScaler.
+"""Mixed precision, independent of the strategy: autocast around ``forward``, the fp16 GradScaler, fp8.
 
 transformers' Trainer adds no autocast of its own without accelerate, so ``prepare`` patches the model's
 ``forward``: outputs come back in fp32, the original stays reachable as ``model._original_forward``.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import types
 from typing import Any
 
@@ -15,8 +16,11 @@ import torch
 
 from .collectives import recursively_apply
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
+# fp8 runs its Linear layers in float8 (torchao) and everything else under bf16 autocast
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+logger = logging.getLogger(__name__)
 
 
 def _to_fp32(data: Any) -> Any:
@@ -83,6 +87,15 @@ class Precision:
         model._trainer_ext_autocast = self.mode
         return model
 
+    def prepare_for_training(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make trainable weights fit the mode: fp32 masters under fp16 AMP; float8 Linear layers for fp8."""
+        if self.scaler is not None:
+            upcast_half_trainable(model)
+        if self.mode == "fp8" and not getattr(model, "_trainer_ext_fp8", False):
+            convert_to_float8(model)
+            model._trainer_ext_fp8 = True
+        return model
+
     # -- GradScaler (fp16 on an accelerator only) -----------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -100,3 +113,40 @@ class Precision:
         self.scaler.step(optimizer)
         self.scaler.update()
         return self.scaler.get_scale() < before
+
+
+def upcast_half_trainable(model: torch.nn.Module) -> list[str]:
+    """Upcast fp16 trainable parameters to fp32 (in place, same Parameter objects) and warn.
+
+    fp16 AMP needs fp32 master weights: the GradScaler refuses to unscale fp16 gradients ("Attempting to
+    unscale FP16 gradients"). Frozen fp16 weights stay as they are, so adapters on a half base still fit.
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if not names:
+        return names
+    for param in model.parameters():
+        if param.requires_grad and param.dtype == torch.float16:
+            param.data = param.data.float()
+    logger.warning(
+        "fp16 mixed precision needs fp32 trainable weights; upcast %d fp16 trainable parameters (e.g. %s) "
+        "to fp32. Load the model in float32 (the default torch_dtype) to avoid the extra copy.",
+        len(names),
+        names[0],
+    )
+    return names
+
+
+def _float8_eligible(module: torch.nn.Module, fqn: str) -> bool:
+    # float8 matmuls need both dimensions divisible by 16; the output head stays in bf16 for accuracy
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    if fqn.split(".")[-1] in ("lm_head", "score", "classifier"):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_float8(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap eligible Linear layers for torchao's float8 training layers (dynamic tensorwise scaling)."""
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, module_filter_fn=_float8_eligible)

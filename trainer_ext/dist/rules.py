@@ -5,6 +5,8 @@ Each rule raises :class:`~trainer_ext.errors.ConfigError` with what is wrong and
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..errors import ConfigError
@@ -19,11 +21,30 @@ def check_precision(mixed_precision: str, device: torch.device, *, fp16: bool = 
             f"fp16 mixed precision needs a CUDA GPU, but this process runs on {device.type}. "
             "Drop --fp16, or use --bf16 (supported on CPU)."
         )
+    if mixed_precision == "fp8":
+        check_fp8(device)
     if mixed_precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             f"bf16 is not supported by {torch.cuda.get_device_name(device)} (it needs compute capability >= 8.0). "
             "Use --fp16 instead."
         )
+
+
+def check_fp8(device: torch.device) -> None:
+    """fp8 needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer) and torchao."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"fp8 training needs a CUDA GPU with compute capability >= 8.9, but this process runs on "
+            f"{device.type}. Use --bf16 instead."
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ConfigError(
+            f"fp8 training needs compute capability >= 8.9 (H100, L4, RTX 4090 …); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. Use --bf16 instead."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("fp8 training uses torchao, which is not installed: pip install 'trainer_ext[fp8]'")
 
 
 def check_world(world_size: int, strategy: str) -> None:

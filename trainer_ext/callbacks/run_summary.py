@@ -1,0 +1,95 @@
+"""The start-up block: what one optimizer step means in this run, printed once by the main process.
+
+Step semantics, stated once: the learning-rate schedule counts optimizer steps — one per accumulation
+window on all ranks together — never micro-batches and never processes.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+def _tokens_per_sample(dataset: Any, limit: int = 1000) -> tuple[float, bool] | None:
+    """Mean length of ``input_ids`` over the first ``limit`` samples and whether all were equal."""
+    try:
+        n = min(len(dataset), limit)
+        lengths = [len(dataset[i]["input_ids"]) for i in range(n)]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not lengths:
+        return None
+    return sum(lengths) / len(lengths), len(set(lengths)) == 1
+
+
+def run_summary(
+    *,
+    world_size: int,
+    per_device_batch: int,
+    accumulation: int,
+    batches_per_epoch: int,
+    max_steps: int,
+    precision: str,
+    strategy: str,
+    schedule: str,
+    tokens: tuple[float, bool] | None = None,
+) -> str:
+    """The block as text (a pure function so that it is tested without a run)."""
+    global_batch = world_size * per_device_batch * accumulation
+    steps_per_epoch = max(math.ceil(batches_per_epoch / accumulation), 1)
+    last_window = batches_per_epoch % accumulation
+    lines = [
+        "***** trainer_ext: one optimizer step *****",
+        f"  world size              = {world_size} ({strategy})",
+        f"  per-device batch        = {per_device_batch}",
+        f"  accumulation steps      = {accumulation}",
+        f"  global batch (samples)  = {global_batch} = {world_size} x {per_device_batch} x {accumulation}",
+    ]
+    if tokens is not None:
+        mean, exact = tokens
+        lines.append(
+            f"  global batch (tokens)   = {global_batch * mean:.0f}"
+            + ("" if exact else f" (approx.: mean length {mean:.1f} before padding)")
+        )
+    lines += [
+        f"  optimizer steps / epoch = {steps_per_epoch}"
+        + (f" (the last window of each epoch has {last_window} micro-batches)" if last_window else ""),
+        f"  optimizer steps, total  = {max_steps}",
+        f"  precision               = {precision}",
+        f"  LR schedule             = {schedule}, counted in optimizer steps (never micro-batches or processes)",
+    ]
+    return "\n".join(lines)
+
+
+class RunSummaryCallback(TrainerCallback):
+    """Prints :func:`run_summary` on the main process when training starts."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = weakref.ref(trainer)
+        self.printed: str | None = None
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        trainer = self._trainer()
+        if not state.is_world_process_zero or trainer is None or train_dataloader is None:
+            return
+        engine = trainer.accelerator
+        precision = engine.mixed_precision
+        if engine.scaler is not None:
+            precision += f" (loss scaler: initial scale {engine.scaler.get_scale():g})"
+        warmup = args.get_warmup_steps(state.max_steps)
+        self.printed = run_summary(
+            world_size=args.world_size,
+            per_device_batch=args.train_batch_size,
+            accumulation=args.gradient_accumulation_steps,
+            batches_per_epoch=len(train_dataloader),
+            max_steps=state.max_steps,
+            precision=precision,
+            strategy=engine.strategy.name,
+            schedule=f"{args.lr_scheduler_type.value if hasattr(args.lr_scheduler_type, 'value') else args.lr_scheduler_type} "
+            f"with {warmup} warm-up steps",
+            tokens=_tokens_per_sample(train_dataloader.dataset),
+        )
+        print(self.printed, flush=True)
