@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -85,3 +87,50 @@ def test_ddp_wrap_skips_frozen_models() -> None:
     """Nothing to synchronise: no DDP wrapper (and so no process group needed)."""
     model = torch.nn.Linear(2, 2).requires_grad_(False)
     assert resolve_strategy(_state(2), "ddp").wrap(model) is model
+
+
+# --- GPU-dependent rules, checked here with a pretend GPU -------------------------------------------------
+_CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch: pytest.MonkeyPatch):
+    """Pretend device 0 is a GPU with the given capability / bf16 support (nothing is allocated)."""
+
+    def _make(capability: tuple[int, int] = (9, 0), bf16: bool = True, torchao: bool = True) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Pretend GPU")
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: (object() if torchao else None) if name == "torchao" else real(name, *a),
+        )
+
+    return _make
+
+
+def test_bf16_on_a_gpu_without_bf16(fake_gpu) -> None:
+    fake_gpu(capability=(7, 5), bf16=False)
+    with pytest.raises(ConfigError, match="bf16 is not supported by Pretend GPU.*--fp16"):
+        check_precision("bf16", _CUDA)
+
+
+def test_fp8_below_compute_capability_8_9(fake_gpu) -> None:
+    fake_gpu(capability=(8, 0))
+    with pytest.raises(ConfigError, match=r"compute capability >= 8\.9.*has 8\.0"):
+        check_precision("fp8", _CUDA)
+
+
+def test_fp8_without_torchao(fake_gpu) -> None:
+    fake_gpu(capability=(9, 0), torchao=False)
+    with pytest.raises(ConfigError, match=r"pip install 'trainer_ext\[fp8\]'"):
+        check_precision("fp8", _CUDA)
+
+
+def test_fp8_on_a_capable_gpu_with_torchao_passes(fake_gpu) -> None:
+    fake_gpu(capability=(9, 0), torchao=True)
+    check_precision("fp8", _CUDA)
+    check_precision("fp16", _CUDA)
+    check_precision("bf16", _CUDA)
