@@ -190,3 +190,34 @@ def test_classification_loss_is_a_mean_under_gradient_accumulation(tmp_path):
         tiny(tmp_path, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-12, per_device_train_batch_size=8)
     )
     assert abs(metrics["train_loss"] - math.log(2)) < 0.15
+
+
+def test_overwrite_with_a_resume_path_is_refused_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    train(tiny(out, max_steps=2, save_strategy="steps", save_steps=2))
+    with pytest.raises(ConfigError, match="pass one of the two"):
+        train(tiny(out, max_steps=4, overwrite_output_dir=True, resume_from_checkpoint=str(out / "checkpoint-2")))
+    assert (out / "checkpoint-2" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"optim": "adamw_bnb_8bit"}, "bitsandbytes"),
+        ({"lr_scheduler_type": "cosine_with_restarts", "lr_scheduler_kwargs": {"no_such_arg": 1}}, "no_such_arg"),
+    ],
+)
+def test_settings_that_fail_late_are_refused_before_writing(tmp_path, overrides, match):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match):
+        train(tiny(out, **overrides))
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_too_few_rows_to_hold_out_is_a_clear_error(tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "good film", "label": "positive"}\n')
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="cannot hold out"):
+        train(tiny(out, train_file=str(data)))
+    assert not out.exists()

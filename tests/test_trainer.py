@@ -125,13 +125,60 @@ def test_mid_epoch_resume_is_bitwise_equal(tmp_path: Path, grad_accum: int, stop
 
 
 def test_bf16_on_cpu_trains_with_fp32_master_weights(tmp_path: Path) -> None:
-    trainer = Trainer(
-        model=tiny_llama(0), args=jobs.make_args(tmp_path, bf16=True, max_steps=3), train_dataset=lm_dataset(8)
-    )
+    model = tiny_llama(0)
+    seen: set[torch.dtype] = set()
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    trainer = Trainer(model=model, args=jobs.make_args(tmp_path, bf16=True, max_steps=3), train_dataset=lm_dataset(8))
     out = trainer.train()
+    assert seen == {torch.bfloat16}, "the forward must run under bf16 autocast"
     assert torch.isfinite(torch.tensor(out.training_loss))
     assert trainer.accelerator.mixed_precision == "bf16"
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    logits = trainer.model(torch.tensor(lm_dataset(1)["input_ids"])).logits
+    assert logits.dtype == torch.float32, "outputs come back in fp32"
+
+
+def test_training_args_reload_rebuilds_their_devices(tmp_path: Path) -> None:
+    """training_args.bin from a run loads back with a fresh distributed state of the loading process."""
+    args = jobs.make_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(4)).train()
+    loaded = torch.load(tmp_path / "checkpoint-1" / "training_args.bin", weights_only=False)
+    assert isinstance(loaded, TrainingArguments)
+    assert loaded.distributed_state is not None and loaded.distributed_state is not args.distributed_state
+    assert loaded.device == torch.device("cpu") and loaded.world_size == 1
+    assert loaded.learning_rate == args.learning_rate
+
+
+def test_torch_compile_after_an_evaluation_keeps_the_users_module(tmp_path: Path) -> None:
+    """Compiling in place: evaluate() before train() must not hide the model from wrapping and unwrapping."""
+    args = jobs.make_args(tmp_path, max_steps=2, torch_compile=True, torch_compile_backend="eager")
+    reference = Trainer(
+        model=tiny_llama(0), args=jobs.make_args(tmp_path / "ref", max_steps=2), train_dataset=lm_dataset(8)
+    )
+    reference.train()
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(8), eval_dataset=lm_dataset(4, seed=2))
+    trainer.evaluate()
+    trainer.train()
+    assert trainer.accelerator.unwrap_model(trainer.model_wrapped) is trainer.model
+    assert getattr(trainer.model, "_compiled_call_impl", None) is not None
+    for name, value in reference.model.state_dict().items():
+        assert torch.allclose(value, trainer.model.state_dict()[name], atol=2e-4), name  # graph-level numerics
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be at least 1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be at least 1"),
+        ({"per_device_eval_batch_size": 0}, "per_device_eval_batch_size"),
+        ({"learning_rate": -1.0}, "learning_rate must not be negative"),
+        ({"dataloader_num_workers": -1}, "dataloader_num_workers"),
+        ({"torch_compile_backend": "nosuch"}, "not a torch.compile backend"),
+    ],
+)
+def test_values_that_would_fail_mid_run_are_refused_up_front(tmp_path: Path, flags: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TrainingArguments(output_dir=str(tmp_path), **flags)
 
 
 def test_fp16_without_cuda_is_a_clear_error(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def train(
         if "install" not in str(error):
             raise
         raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
+    _preflight(trainer)
     output_dir.start_run(args, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
@@ -92,6 +93,25 @@ def train(
         metrics.update(eval_metrics)
     trainer.save_state()
     return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def _preflight(trainer: transformers.Trainer) -> None:
+    """Build what training builds late (optimizer, a throwaway scheduler, the loaders) so that a bad
+    --optim, --lr_scheduler_kwargs or eval setting fails now, before anything is written."""
+    import torch
+
+    try:
+        trainer.create_optimizer()
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=trainer.args.learning_rate or 1.0)
+        transformers.get_scheduler(
+            trainer.args.lr_scheduler_type,
+            probe,
+            num_warmup_steps=0,
+            num_training_steps=max(trainer.args.max_steps, 1),
+            scheduler_specific_kwargs=trainer.args.lr_scheduler_kwargs or {},
+        )
+    except (ImportError, ValueError, TypeError, KeyError) as error:
+        raise ConfigError(" ".join(str(error).split())) from error
 
 
 def _as_job_arguments(args: TrainJobArguments | Mapping[str, Any] | Sequence[str]) -> TrainJobArguments:
@@ -126,7 +146,13 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
         raise ConfigError(f"{args.dataset_name!r} has no 'train' split; its splits: {', '.join(raw)}")
     raw = datasets.DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
     if "validation" not in raw and args.validation_split_percentage > 0:
-        parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        try:
+            parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        except ValueError as error:  # e.g. too few rows to hold any out
+            raise ConfigError(
+                f"cannot hold out {args.validation_split_percentage}% of {len(raw['train'])} training rows for "
+                f"evaluation ({error}); pass --validation_file, or --validation_split_percentage 0"
+            ) from error
         raw = datasets.DatasetDict(train=parts["train"], validation=parts["test"])
     for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
         if split in raw and limit is not None:

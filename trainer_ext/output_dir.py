@@ -82,12 +82,12 @@ def check(args: TrainJobArguments) -> bool | str | None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {str(out)!r} is a file; pass a directory")
     found = checkpoints(out) if out.is_dir() else []
+    if resume is not None and args.overwrite_output_dir:
+        raise ConfigError(
+            "--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint would resume from; "
+            "pass one of the two"
+        )
     if resume is True:
-        if args.overwrite_output_dir:
-            raise ConfigError(
-                "--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint true "
-                "would resume from; pass one of the two"
-            )
         if not found:
             raise ConfigError(
                 f"--resume_from_checkpoint: no checkpoint in {str(out)!r} to resume from. Drop the flag "

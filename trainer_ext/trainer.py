@@ -16,6 +16,7 @@ from transformers.utils import logging
 
 from . import _compat
 from .callbacks.run_summary import RunSummaryCallback
+from .dist.data import check_shardable
 from .dist.engine import Engine
 from .errors import ConfigError
 from .training_args import TrainingArguments
@@ -42,6 +43,12 @@ def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
     }
 
 
+def _as_list(datasets: Any) -> list[Any]:
+    if datasets is None:
+        return []
+    return list(datasets.values()) if isinstance(datasets, dict) else [datasets]
+
+
 class Trainer(transformers.Trainer):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
@@ -54,6 +61,8 @@ class Trainer(transformers.Trainer):
             )
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
+        for dataset in (kwargs.get("train_dataset"), *_as_list(kwargs.get("eval_dataset"))):
+            check_shardable(dataset, args.world_size)  # before any step runs, not at the first evaluation
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
         self.add_callback(RunSummaryCallback(self))

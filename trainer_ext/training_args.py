@@ -53,7 +53,13 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         self._refuse_unsupported()
-        if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available():
+        self._check_values()
+        if (
+            (self.bf16 or self.bf16_full_eval)
+            and not self.use_cpu
+            and not torch.cuda.is_available()
+            and not torch.backends.mps.is_available()
+        ):
             # transformers refuses bf16 without a bf16 GPU unless use_cpu is set; without CUDA we run on CPU anyway.
             self.use_cpu = True
         try:
@@ -84,6 +90,43 @@ class TrainingArguments(transformers.TrainingArguments):
                 "--auto_find_batch_size is not supported by trainer_ext; set --per_device_train_batch_size "
                 "and use --gradient_accumulation_steps to reach the global batch you want"
             )
+
+    def _check_values(self) -> None:
+        """Values transformers accepts but that fail later, mid-run, with a traceback."""
+        problems = []
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"--{name} must be at least 1, got {value}")
+        if self.learning_rate is not None and self.learning_rate < 0:
+            problems.append(f"--learning_rate must not be negative, got {self.learning_rate}")
+        if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
+            problems.append(f"--dataloader_num_workers must not be negative, got {self.dataloader_num_workers}")
+        if self.torch_compile_backend:
+            import torch._dynamo
+
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if self.torch_compile_backend not in known:
+                problems.append(
+                    f"--torch_compile_backend {self.torch_compile_backend!r} is not a torch.compile backend; "
+                    f"known: {', '.join(known)}"
+                )
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    # The distributed state belongs to the process that built it: a pickled copy (training_args.bin)
+    # loaded elsewhere, e.g. by another rank, must set its own devices up again.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for key in ("_setup_devices", "distributed_state", "_n_gpu"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.distributed_state = None
+        self._n_gpu = 0
+        _ = self._setup_devices
 
     @cached_property
     def _setup_devices(self) -> torch.device:

@@ -26,9 +26,9 @@ def test_gather_nested() -> None:
     assert out["b"][1].shape == (2, 2)
 
 
-@pytest.mark.parametrize("obj, expected", [("x", ["x"]), ([1, 2], [1, 2]), ({"k": 1}, [{"k": 1}])])
-def test_gather_object(obj: object, expected: list) -> None:
-    assert C.gather_object(obj) == expected
+@pytest.mark.parametrize("obj", ["x", [1, 2], {"k": 1}])
+def test_gather_object_is_the_identity_on_one_process(obj: object) -> None:
+    assert C.gather_object(obj) is obj
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])

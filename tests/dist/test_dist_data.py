@@ -167,7 +167,11 @@ def test_seedable_sampler_same_seed_same_order() -> None:
     torch.manual_seed(123)  # the global RNG plays no part
     first = list(a)
     torch.manual_seed(456)
-    assert list(b) == first == list(a)  # and iterating again in the same epoch repeats it
+    assert list(b) == first
+    second = list(a)  # a pass moves the sampler to the next epoch, like a loop that never calls set_epoch
+    assert second != first and a.epoch == 2
+    a.set_epoch(0)
+    assert list(a) == first
     assert sorted(first) == list(range(50))
     assert first != list(range(50))
     assert list(SeedableRandomSampler(range(50), seed=8)) != first
@@ -180,7 +184,7 @@ def test_seedable_sampler_epochs() -> None:
     a.set_epoch(1)
     b.set_epoch(1)
     epoch1 = list(a)
-    assert a.epoch == 1
+    assert a.epoch == 2  # advanced by the full pass
     assert epoch1 != epoch0 and sorted(epoch1) == list(range(50))
     assert list(b) == epoch1
     a.set_epoch(0)
@@ -298,7 +302,9 @@ def test_already_sharded_loader_is_returned_as_is() -> None:
 
 def test_iterable_dataset() -> None:
     plain = DataLoader(Stream(), batch_size=2)
-    assert shard_dataloader(plain, num_processes=1, process_index=0, gradient_state=GradientState(), seed=0) is plain
+    tracked = shard_dataloader(plain, num_processes=1, process_index=0, gradient_state=GradientState(), seed=0)
+    assert tracked.dataset is plain.dataset and tracked.batch_size == 2
+    assert [b.tolist() for b in tracked] == [b.tolist() for b in plain]
     with pytest.raises(ConfigError, match="map-style"):
         shard_dataloader(plain, num_processes=2, process_index=0, gradient_state=GradientState(), seed=0)
 
@@ -359,8 +365,10 @@ def test_skip_first_batches(k: int, ws: int, rank: int, shuffle: bool) -> None:
     ds = CountingDataset(23)
     gs = GradientState()
     loader = _prepared(ds, 2, ws, rank, shuffle=shuffle, gs=gs, seed=3)
+    loader.set_epoch(0)
     full = _lists(loader)
     skipped = skip_first_batches(loader, k)
+    skipped.set_epoch(0)  # what the Trainer does before iterating the resumed epoch
     assert isinstance(skipped, ShardedDataLoader)
     assert skipped.dataset is ds and skipped.remainder == loader.remainder
     assert len(skipped) == max(0, len(full) - k)
@@ -373,6 +381,7 @@ def test_skip_first_batches(k: int, ws: int, rank: int, shuffle: bool) -> None:
     assert got == full[k:]
     assert ends == [False] * (len(got) - 1) + [True] * bool(got)
     assert sorted(ds.calls) == sorted(i for batch in full[k:] for i in batch)  # skipped samples never loaded
+    loader.set_epoch(0)
     assert _lists(loader) == full  # the original loader is unchanged
 
 

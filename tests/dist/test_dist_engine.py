@@ -189,7 +189,13 @@ def test_unwrap_model(engine: Engine) -> None:
     assert engine.unwrap_model(torch.nn.DataParallel(torch.nn.DataParallel(model))) is model
     compiled = _FakeCompiled(torch.nn.DataParallel(model))
     assert engine.unwrap_model(compiled, keep_torch_compile=False) is model
-    assert engine.unwrap_model(compiled) is compiled and compiled._orig_mod is model
+    # a compile wrapper around a parallel wrapper cannot be kept without rewiring it: the module comes back,
+    # and nothing is mutated
+    assert engine.unwrap_model(compiled) is model
+    assert isinstance(compiled._orig_mod, torch.nn.DataParallel)
+    direct = _FakeCompiled(model)
+    assert engine.unwrap_model(direct) is direct
+    assert engine.unwrap_model(direct, keep_torch_compile=False) is model
     assert list(engine.get_state_dict(wrapped)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert list(engine.get_state_dict(wrapped, unwrap=False))[0] == "module.0.weight"
 
@@ -264,3 +270,52 @@ def test_rank1_of_2_engine_without_process_group() -> None:
     loader = engine.prepare(DataLoader(list(range(10)), batch_size=2))
     assert [b.tolist() for b in loader] == [[2, 3], [6, 7], [0, 1]]  # batches 1, 3 and padding from the start
     assert loader.remainder == 2
+
+
+def test_fp16_scaler_flow_skips_an_overflowing_step_and_counts_it(engine: Engine) -> None:
+    """scale in backward -> one unscale in clip -> step + update; an inf gradient skips the step."""
+    engine.precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # the CUDA flow, on CPU
+    model = _model()
+    optimizer = engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = model(torch.ones(2, 4)).sum()
+    engine.backward(loss)
+    grad = model[0].weight.grad.clone()
+    engine.clip_grad_norm_(model.parameters(), 1e9)  # unscales
+    assert torch.allclose(model[0].weight.grad * 1024.0, grad)
+    optimizer.step()
+    assert not engine.optimizer_step_was_skipped and engine.skipped_steps == 0
+    assert not torch.equal(model[0].weight, before["0.weight"])
+
+    optimizer.zero_grad()
+    engine.backward(model(torch.full((2, 4), float("inf"))).sum())
+    engine.clip_grad_norm_(model.parameters(), 1.0)
+    after_good_step = model[0].weight.clone()
+    optimizer.step()
+    assert engine.optimizer_step_was_skipped and engine.skipped_steps == 1
+    assert torch.equal(model[0].weight, after_good_step), "a skipped step must not touch the weights"
+    assert engine.scaler.get_scale() < 1024.0
+
+
+def test_gather_for_metrics_with_gather_object(engine: Engine) -> None:
+    assert engine.gather_for_metrics(["a", "b"], use_gather_object=True) == ["a", "b"]
+    tensor = torch.arange(3)
+    assert engine.gather_for_metrics(tensor, use_gather_object=True) is tensor
+
+
+def test_unsharded_eval_inside_a_training_epoch_is_not_truncated(engine: Engine) -> None:
+    """An iterable eval loader run while the train loader sits on its last batch keeps all its rows."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    train = engine.prepare(DataLoader(list(range(10)), batch_size=4))  # remainder 10 % 4 = 2
+    evaluation = engine.prepare(DataLoader(Stream(), batch_size=4))
+    rows = []
+    for _batch in train:
+        if engine.gradient_state.end_of_dataloader:
+            for eval_batch in evaluation:
+                rows.append(engine.gather_for_metrics(eval_batch))
+    assert [r.tolist() for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert engine.gradient_state.active_dataloader is None

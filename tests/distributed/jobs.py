@@ -183,6 +183,30 @@ def allreduce_count_job(out: Path, grad_accum: int = 4) -> dict:
     }
 
 
+def compile_job(out: Path) -> dict:
+    """torch.compile (eager backend) with an evaluation before training: DDP must still wrap the model."""
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out, max_steps=3, torch_compile=True, torch_compile_backend="eager"),
+        train_dataset=lm_dataset(16),
+        eval_dataset=lm_dataset(4, seed=2),
+    )
+    trainer.evaluate()
+    trainer.train()
+    checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
+    checksums: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(checksums, checksum)
+    return {"wrapped": type(trainer.model_wrapped).__name__, "checksums": checksums}
+
+
+def reloaded_args_job(checkpoint: Path) -> list:
+    """Every rank loads rank 0's training_args.bin: each must get its own rank back."""
+    loaded = torch.load(checkpoint / "training_args.bin", weights_only=False)
+    ranks: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, (loaded.process_index, loaded.world_size))
+    return ranks
+
+
 def main(out: str) -> None:
     out_dir = Path(out)
     rank = int(os.environ.get("RANK", "0"))
@@ -192,6 +216,8 @@ def main(out: str) -> None:
     ga_fp32, ga_fp32_info = accumulation_parity_job(out_dir / "ga_fp32", per_device_batch=2, grad_accum=2)
     ga_bf16, ga_bf16_info = accumulation_parity_job(out_dir / "ga_bf16", per_device_batch=2, grad_accum=2, bf16=True)
     allreduce = allreduce_count_job(out_dir / "allreduce")
+    compiled = compile_job(out_dir / "compile")
+    reloaded = reloaded_args_job(out_dir / "resume" / "part" / "checkpoint-4")
     if rank == 0:
         save_file(ga_fp32, str(out_dir / "ga_fp32.safetensors"))
         save_file(ga_bf16, str(out_dir / "ga_bf16.safetensors"))
@@ -206,6 +232,8 @@ def main(out: str) -> None:
             "ga_fp32": ga_fp32_info,
             "ga_bf16": ga_bf16_info,
             "allreduce": allreduce,
+            "compile": compiled,
+            "reloaded_args": reloaded,
         }
         (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     gc.collect()  # drop the DDP reducers before the group goes

@@ -98,3 +98,14 @@ def test_scheduler_steps_once_per_optimizer_step_on_two_ranks(two_ranks: Path) -
     info = json.loads((two_ranks / "results.json").read_text())["ga_fp32"]
     assert info["global_step"] == 12  # 48 samples / (2 ranks x 2 x 2) x 2 epochs
     assert info["scheduler_steps"] == 12
+
+
+def test_compile_after_evaluate_still_trains_with_ddp(two_ranks: Path) -> None:
+    info = json.loads((two_ranks / "results.json").read_text())["compile"]
+    assert info["wrapped"] == "DistributedDataParallel"
+    assert info["checksums"][0] == info["checksums"][1], "the ranks' weights diverged: gradients were not synced"
+
+
+def test_reloaded_training_args_take_the_rank_of_the_loading_process(two_ranks: Path) -> None:
+    ranks = json.loads((two_ranks / "results.json").read_text())["reloaded_args"]
+    assert ranks == [[0, 2], [1, 2]]

@@ -54,15 +54,13 @@ def gather(data: Any) -> Any:
     return recursively_apply(_gather_tensor, data)
 
 
-def gather_object(obj: Any) -> list[Any]:
-    """All-gather picklable objects; lists are flattened one level like accelerate does."""
+def gather_object(obj: Any) -> Any:
+    """All-gather a picklable iterable from every rank and flatten one level; one process: ``obj`` unchanged."""
     if not _distributed():
-        return obj if isinstance(obj, list) else [obj]
+        return obj
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
-    if all(isinstance(o, list) for o in out):
-        return [x for o in out for x in o]
-    return out
+    return [x for o in out for x in o]
 
 
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

@@ -35,6 +35,7 @@ class SeedableRandomSampler(RandomSampler):
     def __iter__(self) -> Iterator[int]:
         self.generator.manual_seed(self.seed + self.epoch)
         yield from super().__iter__()
+        self.epoch += 1  # a loop that never calls set_epoch still gets a new order next pass
 
 
 class BatchSamplerShard:
@@ -116,7 +117,45 @@ class BatchSamplerShard:
                 obj.set_epoch(epoch)
 
 
-class ShardedDataLoader(DataLoader):
+class _TrackedIteration:
+    """Look one batch ahead so ``end_of_dataloader`` is True while the last batch is in use, and tell the
+    gradient state which loader is active (an evaluation inside a training epoch has its own state)."""
+
+    gradient_state: GradientState
+    device: torch.device | None
+    end_of_dataloader: bool
+    remainder: int
+
+    def __iter__(self) -> Iterator[Any]:
+        self.end_of_dataloader = False
+        self.gradient_state._add_dataloader(self)
+        try:
+            iterator = super().__iter__()  # type: ignore[misc]
+            try:
+                current = next(iterator)
+            except StopIteration:
+                return
+            while True:
+                try:
+                    upcoming = next(iterator)
+                except StopIteration:
+                    self.end_of_dataloader = True
+                    yield self._place(current)
+                    return
+                yield self._place(current)
+                current = upcoming
+        finally:
+            self.gradient_state._remove_dataloader(self)
+
+    def _place(self, batch: Any) -> Any:
+        if self.device is None:
+            return batch
+        from .collectives import send_to_device
+
+        return send_to_device(batch, self.device, non_blocking=self.pin_memory)
+
+
+class ShardedDataLoader(_TrackedIteration, DataLoader):
     """A DataLoader over a :class:`BatchSamplerShard` that tells the gradient state where it is.
 
     ``len()`` is the number of batches on this rank; ``.dataset`` is the full dataset.
@@ -151,34 +190,6 @@ class ShardedDataLoader(DataLoader):
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[Any]:
-        self.end_of_dataloader = False
-        self.gradient_state._add_dataloader(self)
-        try:
-            iterator = super().__iter__()
-            try:
-                current = next(iterator)
-            except StopIteration:
-                return
-            while True:
-                try:
-                    upcoming = next(iterator)
-                except StopIteration:
-                    self.end_of_dataloader = True
-                    yield self._place(current)
-                    return
-                yield self._place(current)
-                current = upcoming
-        finally:
-            self.gradient_state._remove_dataloader(self)
-
-    def _place(self, batch: Any) -> Any:
-        if self.device is None:
-            return batch
-        from .collectives import send_to_device
-
-        return send_to_device(batch, self.device, non_blocking=self.pin_memory)
-
     def skip(self, num_batches: int) -> ShardedDataLoader:
         """A loader identical to this one that starts after its first ``num_batches`` batches (this rank)."""
         shard = copy.copy(self.batch_sampler)
@@ -192,6 +203,19 @@ class ShardedDataLoader(DataLoader):
         )
         loader.remainder = self.remainder
         return loader
+
+
+class TrackedDataLoader(_TrackedIteration, DataLoader):
+    """An unsharded loader (an iterable dataset on one process) that still reports where it is."""
+
+    def __init__(
+        self, dataset: Any, *, gradient_state: GradientState, device: torch.device | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(dataset, **kwargs)
+        self.gradient_state = gradient_state
+        self.device = device
+        self.end_of_dataloader = False
+        self.remainder = -1
 
 
 _LOADER_KEYS = (
@@ -221,15 +245,24 @@ def shard_dataloader(
     use_seedable_sampler: bool = True,
 ) -> DataLoader:
     """Rebuild ``dataloader`` as this rank's :class:`ShardedDataLoader` (iterable datasets unsupported)."""
-    if isinstance(dataloader, ShardedDataLoader):
+    if isinstance(dataloader, (ShardedDataLoader, TrackedDataLoader)):
         return dataloader
+    kwargs = {k: getattr(dataloader, k) for k in _LOADER_KEYS if hasattr(dataloader, k)}
+    if device is None or device.type != "cuda":
+        kwargs["pin_memory"] = False  # pinning needs an accelerator; avoids torch's warning on CPU
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
     if isinstance(dataloader.dataset, IterableDataset):
-        if num_processes > 1:
-            raise ConfigError(
-                "iterable datasets are not sharded across processes yet; convert it to a map-style dataset "
-                "(e.g. datasets.Dataset) for multi-process training"
-            )
-        return dataloader
+        check_shardable(dataloader.dataset, num_processes)
+        return TrackedDataLoader(
+            dataloader.dataset,
+            gradient_state=gradient_state,
+            device=device,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            **kwargs,
+        )
     batch_sampler = dataloader.batch_sampler
     sampler = getattr(batch_sampler, "sampler", None)
     if (
@@ -241,13 +274,16 @@ def shard_dataloader(
         seeded = SeedableRandomSampler(sampler.data_source, seed=seed, num_samples=sampler._num_samples)
         batch_sampler = BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
     shard = BatchSamplerShard(batch_sampler, num_processes, process_index, even_batches=even_batches)
-    kwargs = {k: getattr(dataloader, k) for k in _LOADER_KEYS if hasattr(dataloader, k)}
-    if device is None or device.type != "cuda":
-        kwargs["pin_memory"] = False  # pinning needs an accelerator; avoids torch's warning on CPU
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
     return ShardedDataLoader(dataloader.dataset, shard=shard, gradient_state=gradient_state, device=device, **kwargs)
+
+
+def check_shardable(dataset: Any, num_processes: int) -> None:
+    """Iterable datasets are not split across processes yet: refuse them on several ranks, up front."""
+    if num_processes > 1 and isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            "iterable datasets are not sharded across processes yet; convert it to a map-style dataset "
+            "(e.g. datasets.Dataset) for multi-process training"
+        )
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

@@ -139,16 +139,18 @@ class Engine:
         """Place on the device, autocast ``forward``, wrap for training (not for evaluation), compile."""
         if device_placement is None:
             device_placement = self.device_placement
-        if device_placement:
+        if device_placement and not _placed_by_user(model):
             model = model.to(self.device)
         inner = self.strategy.unwrap(model)
         if not evaluation_mode:
             self.precision.prepare_for_training(inner)
         self.precision.patch_forward(inner)
+        if self.torch_compile and not getattr(inner, "_trainer_ext_compiled", False):
+            # compile in place (same object) so that wrapping, no_sync and unwrapping see the user's module
+            inner.compile(**self.torch_compile)
+            inner._trainer_ext_compiled = True
         if not evaluation_mode:
             model = self.strategy.wrap(model)
-        if self.torch_compile and not hasattr(model, "_orig_mod"):
-            model = torch.compile(model, **self.torch_compile)
         self._models.append(model)
         return model
 
@@ -206,16 +208,12 @@ class Engine:
 
     # -- models ---------------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's module under DDP/DataParallel; keeps the compiled wrapper unless told not to."""
-        compiled = model if hasattr(model, "_orig_mod") else None
-        inner = self.strategy.unwrap(compiled._orig_mod if compiled is not None else model)
-        if compiled is None:
-            return inner
-        if not keep_torch_compile:
-            return inner
-        if compiled._orig_mod is not inner:
-            compiled._orig_mod = inner
-        return compiled
+        """The user's module under DDP/DataParallel (never mutated); a user's ``torch.compile`` wrapper is
+        kept when it directly wraps that module and ``keep_torch_compile`` is set."""
+        if hasattr(model, "_orig_mod"):
+            inner = self.strategy.unwrap(model._orig_mod)
+            return model if keep_torch_compile and model._orig_mod is inner else inner
+        return self.strategy.unwrap(model)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         if unwrap:
@@ -228,14 +226,13 @@ class Engine:
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather, then drop the duplicated samples that completed the last round of the loader."""
+        state = self.gradient_state
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
         if use_gather_object or not _has_tensor(input_data):
             data = collectives.gather_object(input_data)
-        else:
-            data = collectives.gather(input_data)
-        state = self.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            return collectives.truncate_rows(data, state.remainder)
-        return data
+            return data[:cut] if cut is not None and isinstance(data, list) else data
+        data = collectives.gather(input_data)
+        return collectives.truncate_rows(data, cut) if cut is not None else data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction, scale)
@@ -257,6 +254,14 @@ class Engine:
     def end_training(self) -> None:
         """Tear down the process group this job created."""
         self.state.destroy()
+
+
+def _placed_by_user(model: torch.nn.Module) -> bool:
+    """A model spread over several devices by ``device_map``, or quantized, must not be moved."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if len(set(device_map.values())) > 1:
+        return True
+    return bool(getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
 
 
 def _has_tensor(data: Any) -> bool:

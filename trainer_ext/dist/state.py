@@ -137,6 +137,8 @@ def choose_device(topology: Topology, cpu: bool = False) -> torch.device:
     """``cuda:<local_rank>`` when CUDA is there, else ``mps`` for one process, else plain ``cpu``."""
     if not cpu and torch.cuda.is_available():
         count = torch.cuda.device_count()
+        if count == 1:  # one GPU visible per process (e.g. SLURM --gpus-per-task=1): it is ours
+            return torch.device("cuda", 0)
         if topology.local_rank >= count:
             raise ConfigError(
                 f"local rank {topology.local_rank} has no GPU: only {count} visible. Start at most {count} "
@@ -260,9 +262,11 @@ class DistState:
         is_main = self.is_local_main_process if local else self.is_main_process
         if not is_main:
             self.wait_for_everyone()
-        yield
-        if is_main:
-            self.wait_for_everyone()
+        try:
+            yield
+        finally:
+            if is_main:  # release the others even when the main process fails, so they do not hang
+                self.wait_for_everyone()
 
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         return self.main_process_first(local=True)
