@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Trainer": "trainer_ext.trainer",
     "TrainingArguments": "trainer_ext.training_args",
+    "Accelerator": "trainer_ext.accelerator",
     "Engine": "trainer_ext.dist.engine",
     "DistState": "trainer_ext.dist.state",
     "ConfigError": "trainer_ext.errors",

@@ -49,6 +49,7 @@ class BatchSamplerShard:
         self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         self.skip_batches = 0
+        self.pending_skip = 0  # one-shot: skipped by the next pass only (resume from a saved position)
 
     def _total_batches(self) -> int:
         return len(self.batch_sampler)
@@ -101,13 +102,14 @@ class BatchSamplerShard:
 
     def __iter__(self) -> Iterator[list[int]]:
         ws, rank = self.num_processes, self.process_index
+        skip, self.pending_skip = self.skip_batches + self.pending_skip, 0
         mine = 0
         for i, batch in enumerate(self._global_batches()):
             if ws > 1 and i % ws != rank:
                 continue
             if ws > 1 and self.drop_last and i // ws >= self._total_batches() // ws:
                 return
-            if mine >= self.skip_batches:
+            if mine >= skip:
                 yield batch
             mine += 1
 
@@ -126,8 +128,13 @@ class _TrackedIteration:
     end_of_dataloader: bool
     remainder: int
 
+    def _on_iter_start(self) -> None:
+        """Hook for loaders that remember where a pass started."""
+
     def __iter__(self) -> Iterator[Any]:
         self.end_of_dataloader = False
+        self.batches_yielded = 0
+        self._on_iter_start()
         self.gradient_state._add_dataloader(self)
         try:
             iterator = super().__iter__()  # type: ignore[misc]
@@ -140,8 +147,10 @@ class _TrackedIteration:
                     upcoming = next(iterator)
                 except StopIteration:
                     self.end_of_dataloader = True
+                    self.batches_yielded += 1
                     yield self._place(current)
                     return
+                self.batches_yielded += 1
                 yield self._place(current)
                 current = upcoming
         finally:
@@ -189,6 +198,30 @@ class ShardedDataLoader(_TrackedIteration, DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        sampler = getattr(self.batch_sampler.batch_sampler, "sampler", None)
+        return int(getattr(sampler, "epoch", 0))
+
+    def _on_iter_start(self) -> None:
+        self._iter_epoch = self.epoch
+        self._iter_skip = self.batch_sampler.skip_batches + self.batch_sampler.pending_skip
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this rank is: the epoch being read and the batches of it already handed out."""
+        if not hasattr(self, "_iter_epoch"):
+            return {"epoch": self.epoch, "batches": self.batch_sampler.pending_skip}
+        if self.end_of_dataloader:  # a finished pass: the next one starts the next epoch
+            return {"epoch": self._iter_epoch + 1, "batches": 0}
+        return {"epoch": self._iter_epoch, "batches": self._iter_skip + self.batches_yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``: same epoch order; the next pass skips the batches already seen (by index)."""
+        self.set_epoch(int(state["epoch"]))
+        self.batch_sampler.pending_skip = int(state["batches"])
+        for name in ("_iter_epoch", "_iter_skip"):
+            self.__dict__.pop(name, None)
 
     def skip(self, num_batches: int) -> ShardedDataLoader:
         """A loader identical to this one that starts after its first ``num_batches`` batches (this rank)."""

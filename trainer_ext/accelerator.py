@@ -1,0 +1,341 @@
+"""``Accelerator``: the Trainer's engine for hand-written loops, under accelerate's method names.
+
+Migrating a loop is one import: ``from trainer_ext import Accelerator``. Differences from accelerate that
+users notice are on purpose: a prepared LR scheduler steps exactly once per optimizer step, whatever
+the number of processes or accumulation steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .dist import checkpoint
+from .dist.data import skip_first_batches as _skip_first_batches
+from .dist.engine import Engine
+from .dist.rules import check_precision
+from .dist.state import DistributedType, DistState
+from .errors import ConfigError
+from .trackers import TRACKERS, Tracker, resolve_trackers
+
+# What `trainer-ext launch` exports for scripts (the launcher's own variables).
+_ENV_PRECISION = "ACCELERATE_MIXED_PRECISION"
+_ENV_ACCUMULATION = "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"
+
+
+class PreparedScheduler:
+    """Steps the wrapped LR scheduler once per real optimizer step (not per micro-batch, not per process)."""
+
+    def __init__(self, scheduler: Any, accelerator: Accelerator, step_with_optimizer: bool = True) -> None:
+        self.scheduler = scheduler
+        self.accelerator = accelerator
+        self.step_with_optimizer = step_with_optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.accelerator.sync_gradients or self.accelerator.optimizer_step_was_skipped:
+            return  # inside an accumulation window, or the fp16 scaler skipped the optimizer step
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+class Accelerator:
+    """Device placement, DDP, mixed precision, accumulation, collectives, checkpoints and trackers."""
+
+    def __init__(
+        self,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool = False,
+        device_placement: bool = True,
+        log_with: str | Tracker | list[str | Tracker] | None = None,
+        project_dir: str | os.PathLike | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        even_batches: bool = True,
+        seed: int | None = None,
+        timeout: timedelta | None = None,
+        split_batches: bool = False,
+    ) -> None:
+        if split_batches:
+            raise ConfigError("split_batches=True is not supported; give each process its own per-device batch")
+        mode = mixed_precision or os.environ.get(_ENV_PRECISION) or "no"
+        steps = gradient_accumulation_steps or int(os.environ.get(_ENV_ACCUMULATION) or 1)
+        if steps < 1:
+            raise ConfigError(f"gradient_accumulation_steps must be at least 1, got {steps}")
+        state = DistState(cpu=cpu, timeout=timeout)
+        check_precision(mode, state.device)
+        self.engine = Engine(state, mixed_precision=mode, seed=seed, even_batches=even_batches)
+        self.engine.device_placement = device_placement
+        self.gradient_accumulation_steps = steps
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_dir = str(project_dir) if project_dir is not None else None
+        self.step = 0  # micro-batches seen by `accumulate`, reset at each sync boundary
+        self._trackers_requested = resolve_trackers(log_with)
+        self.trackers: list[Tracker] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._custom: list[Any] = []
+
+    # -- who and where --------------------------------------------------------------------------
+    state = property(lambda self: self.engine.state)
+    device = property(lambda self: self.engine.device)
+    is_main_process = property(lambda self: self.engine.is_main_process)
+    is_local_main_process = property(lambda self: self.engine.is_local_main_process)
+    is_last_process = property(lambda self: self.engine.state.is_last_process)
+    process_index = property(lambda self: self.engine.process_index)
+    local_process_index = property(lambda self: self.engine.local_process_index)
+    num_processes = property(lambda self: self.engine.num_processes)
+    use_distributed = property(lambda self: self.engine.state.use_distributed)
+    mixed_precision = property(lambda self: self.engine.mixed_precision)
+    scaler = property(lambda self: self.engine.scaler)
+    sync_gradients = property(lambda self: self.engine.sync_gradients)
+    gradient_state = property(lambda self: self.engine.gradient_state)
+    optimizer_step_was_skipped = property(lambda self: self.engine.optimizer_step_was_skipped)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.engine.distributed_type
+
+    # -- prepare --------------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Models, optimizers, dataloaders and LR schedulers, in any order and number; same arity back."""
+        placement = device_placement or [self.engine.device_placement] * len(objects)
+        out = []
+        for obj, place in zip(objects, placement, strict=True):
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
+                out.append(self.prepare_scheduler(obj))
+            else:
+                out.append(self.engine.prepare(obj, device_placement=[place]))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ):
+        return self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.engine.prepare_optimizer(optimizer)
+
+    def prepare_data_loader(self, data_loader: DataLoader) -> DataLoader:
+        return self.engine.prepare_dataloader(data_loader)
+
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        prepared = PreparedScheduler(scheduler, self, self.step_scheduler_with_optimizer)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+        return _skip_first_batches(dataloader, num_batches)
+
+    # -- the step -------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (accelerate's convention for ``accumulate``)."""
+        self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-batch: gradients sync (and optimizers/schedulers step) every N-th, and at the end of data."""
+        self.step += 1
+        sync = self.step % self.gradient_accumulation_steps == 0 or self.gradient_state.end_of_dataloader
+        if sync:
+            self.step = 0
+        self.gradient_state._set_sync_gradients(sync)
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in models:
+                    stack.enter_context(self.engine.no_sync(model))
+            yield
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return self.engine.no_sync(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.engine.autocast()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        self.engine.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def unscale_gradients(self) -> None:
+        self.engine.unscale_gradients()
+
+    # -- processes ------------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        self.engine.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.local_main_process_first()
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the main process only (``None`` elsewhere)."""
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return self.engine.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        return self.engine.gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return self.engine.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return self.engine.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    # -- models and saving ----------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
+        inner = self.engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+        if not keep_fp32_wrapper:
+            base = self.engine.unwrap_model(inner, keep_torch_compile=False)
+            if "_original_forward" in base.__dict__:
+                base.forward = base.__dict__.pop("_original_forward")
+                base.__dict__.pop("_trainer_ext_autocast", None)
+        return inner
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        return self.engine.get_state_dict(model, unwrap=unwrap)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save ``obj`` from the main process only (safetensors for a dict of tensors when asked)."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f))
+        else:
+            torch.save(obj, f)
+
+    def save_model(
+        self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB"
+    ) -> None:
+        """Write the unwrapped model as safetensors (sharded above ``max_shard_size``) from the main process."""
+        from .saving import save_model
+
+        unwrapped = self.unwrap_model(model, keep_torch_compile=False)
+        if self.is_main_process:
+            save_model(unwrapped, save_directory, max_shard_size=max_shard_size)
+        self.wait_for_everyone()
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"{type(obj).__name__} has no state_dict/load_state_dict; it cannot be checkpointed")
+            self._custom.append(obj)
+
+    def _checkpoint_objects(self) -> dict[str, Any]:
+        return {
+            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine._models],
+            "optimizers": [o.optimizer for o in self.engine._optimizers],
+            "schedulers": [s.scheduler for s in self._schedulers],
+            "dataloaders": list(self.engine._dataloaders),
+            "scaler": self.scaler,
+            "custom": self._custom,
+        }
+
+    def save_state(self, output_dir: str | os.PathLike | None = None) -> str:
+        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions."""
+        if output_dir is None:
+            if self.project_dir is None:
+                raise ConfigError("save_state() needs an output_dir, or project_dir set on the Accelerator")
+            output_dir = os.path.join(self.project_dir, "checkpoints", "checkpoint")
+        path = checkpoint.save_state(
+            output_dir, self.state, **self._checkpoint_objects(), extra={"accumulation_step": self.step}
+        )
+        return str(path)
+
+    def load_state(self, input_dir: str | os.PathLike) -> None:
+        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order."""
+        extra = checkpoint.load_state(input_dir, self.state, **self._checkpoint_objects())
+        self.step = int(extra.get("accumulation_step", 0))
+
+    # -- trackers -------------------------------------------------------------------------------
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, dict] | None = None
+    ) -> None:
+        """Start the trackers from ``log_with`` on the main process; store ``config`` as hyper-parameters."""
+        if not self.is_main_process:
+            return
+        init_kwargs = init_kwargs or {}
+        for item in self._trackers_requested:
+            if isinstance(item, Tracker):
+                tracker = item
+            else:
+                tracker = TRACKERS[item](project_name, self.project_dir, **init_kwargs.get(item, {}))
+            if config is not None:
+                tracker.store_init_configuration(config)
+            self.trackers.append(tracker)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if not self.is_main_process:
+            return None
+        raise ConfigError(f"no tracker {name!r} was started; started: {[t.name for t in self.trackers]}")
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Log to every started tracker (main process only)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
+
+    def end_training(self) -> None:
+        """Finish the trackers and tear the process group down."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers.clear()
+        self.engine.end_training()
+
+    def free_memory(self, *objects: Any) -> tuple[Any, ...]:
+        self._schedulers.clear()
+        self.step = 0
+        return self.engine.free_memory(*objects)
+
+    clear = free_memory

@@ -1,0 +1,152 @@
+"""Whole-state checkpoints for hand-written loops: models, optimizers, schedulers, scaler, RNG, loaders.
+
+Every rank calls ``save_state``/``load_state``. The main process writes the shared files, each rank
+writes its own RNG and dataloader position, and a ``COMPLETE`` marker written last (after a barrier)
+says the directory holds a whole checkpoint; ``load_state`` refuses a directory without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import ConfigError
+from .state import DistState
+
+COMPLETE = "COMPLETE"
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage (tied weights): store each tensor once, contiguous
+    seen: dict[int, str] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr()
+        if key in seen and tensor.numel() > 0:
+            continue
+        seen[key] = name
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def save_state(
+    directory: str | os.PathLike,
+    state: DistState,
+    *,
+    models: list[torch.nn.Module],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    scaler: Any = None,
+    custom: list[Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint of everything passed (models already unwrapped) into ``directory``."""
+    out = Path(directory)
+    rank = state.process_index
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / COMPLETE).unlink(missing_ok=True)
+        for i, model in enumerate(models):
+            save_file(_model_state(model), str(out / f"model_{i}.safetensors"))
+        for i, optimizer in enumerate(optimizers):
+            torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
+        for i, scheduler in enumerate(schedulers):
+            torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
+        for i, obj in enumerate(custom or []):
+            torch.save(obj.state_dict(), out / f"custom_{i}.bin")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), out / "scaler.pt")
+        (out / "state.json").write_text(json.dumps(extra or {}, indent=1))
+    state.wait_for_everyone()  # the directory exists before the ranks write into it
+    per_rank = {
+        "rng": _rng_state(state.device),
+        "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
+    }
+    torch.save(per_rank, out / f"rank_{rank}.pt")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        with open(out / COMPLETE, "w") as handle:
+            handle.write(f"{state.num_processes}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    state.wait_for_everyone()
+    return out
+
+
+def load_state(
+    directory: str | os.PathLike,
+    state: DistState,
+    *,
+    models: list[torch.nn.Module],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    scaler: Any = None,
+    custom: list[Any] | None = None,
+) -> dict[str, Any]:
+    """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
+    src = Path(directory)
+    if not (src / COMPLETE).exists():
+        raise ConfigError(
+            f"{str(src)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
+            "saving); pick another checkpoint directory"
+        )
+    saved_ranks = int((src / COMPLETE).read_text().strip() or 0)
+    if saved_ranks != state.num_processes:
+        raise ConfigError(
+            f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
+            f"with {saved_ranks} processes"
+        )
+    for i, model in enumerate(models):
+        missing, unexpected = model.load_state_dict(load_file(str(src / f"model_{i}.safetensors")), strict=False)
+        tied = {name for name in missing if _is_tied(model, name)}
+        if set(missing) - tied or unexpected:
+            raise ConfigError(
+                f"model {i} does not match the checkpoint: missing {sorted(set(missing) - tied)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    location = state.device
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(torch.load(src / f"optimizer_{i}.bin", map_location=location, weights_only=False))
+    for i, scheduler in enumerate(schedulers):
+        scheduler.load_state_dict(torch.load(src / f"scheduler_{i}.bin", weights_only=False))
+    for i, obj in enumerate(custom or []):
+        obj.load_state_dict(torch.load(src / f"custom_{i}.bin", weights_only=False))
+    if scaler is not None and (src / "scaler.pt").exists():
+        scaler.load_state_dict(torch.load(src / "scaler.pt", weights_only=False))
+    per_rank = torch.load(src / f"rank_{state.process_index}.pt", weights_only=False)
+    _set_rng_state(per_rank["rng"], state.device)
+    for dl, position in zip(dataloaders, per_rank["dataloaders"], strict=False):
+        if position is not None and hasattr(dl, "load_state_dict"):
+            dl.load_state_dict(position)
+    return json.loads((src / "state.json").read_text())
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    """True when ``name`` shares its storage with another entry of the state dict (saved once)."""
+    tensors = model.state_dict()
+    ptr = tensors[name].data_ptr()
+    return any(other != name and t.data_ptr() == ptr for other, t in tensors.items())

@@ -1,0 +1,40 @@
+"""TensorBoard through ``torch.utils.tensorboard`` (event files under ``logging_dir/project_name``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import Tracker, scalars
+
+
+class TensorBoardTracker(Tracker):
+    name = "tensorboard"
+    requires = "tensorboard"
+
+    def __init__(self, project_name: str, logging_dir: str | None = None, **init_kwargs: Any) -> None:
+        super().__init__(project_name, logging_dir, **init_kwargs)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(logging_dir or ".", project_name), **init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.writer
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self.writer.add_hparams(
+            {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}, {}
+        )
+        self.writer.flush()
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        for key, value in values.items():
+            if isinstance(value, str):
+                self.writer.add_text(key, value, global_step=step)
+        for key, value in scalars(values).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()

@@ -1,0 +1,33 @@
+"""Weights & Biases; ``init_kwargs={"mode": "offline"}`` (or WANDB_MODE=offline) needs no network."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Tracker
+
+
+class WandBTracker(Tracker):
+    name = "wandb"
+    requires = "wandb"
+
+    def __init__(self, project_name: str, logging_dir: str | None = None, **init_kwargs: Any) -> None:
+        super().__init__(project_name, logging_dir, **init_kwargs)
+        import wandb
+
+        if logging_dir is not None:
+            init_kwargs.setdefault("dir", logging_dir)
+        self.run = wandb.init(project=project_name, **init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self.run.config.update(values, allow_val_change=True)
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
