@@ -21,6 +21,11 @@ _EXPORTS = {
     "ModelArguments": "trainer_ext.arguments",
     "DataArguments": "trainer_ext.arguments",
     "TrainJobArguments": "trainer_ext.arguments",
+    "infer_auto_device_map": "trainer_ext.dispatch",
+    "dispatch_model": "trainer_ext.dispatch",
+    "load_checkpoint_and_dispatch": "trainer_ext.dispatch",
+    "init_empty_weights": "trainer_ext.dispatch",
+    "dispatch_summary": "trainer_ext.dispatch",
 }
 
 __all__ = sorted(_EXPORTS)
