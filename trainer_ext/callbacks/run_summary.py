@@ -17,8 +17,11 @@ def _tokens_per_sample(dataset: Any, limit: int = 1000) -> tuple[float, bool] | 
     """Mean length of ``input_ids`` over the first ``limit`` samples and whether all were equal."""
     try:
         n = min(len(dataset), limit)
-        lengths = [len(dataset[i]["input_ids"]) for i in range(n)]
-    except (TypeError, KeyError, IndexError):
+        if hasattr(dataset, "select") and hasattr(dataset, "with_format"):  # datasets.Dataset: one columnar read
+            lengths = [len(ids) for ids in dataset.select(range(n)).with_format(None)["input_ids"]]
+        else:
+            lengths = [len(dataset[i]["input_ids"]) for i in range(n)]
+    except (TypeError, KeyError, IndexError, ValueError):
         return None
     if not lengths:
         return None

@@ -1,0 +1,316 @@
+"""The benchmark suite: one model, one data set, trained by each runner; a table of speed and memory.
+
+    python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--json out.json]
+
+Runners: a plain PyTorch loop (the reference), ``trainer_ext.Accelerator`` in a hand-written loop,
+``trainer_ext.Trainer``, and transformers' stock Trainer when accelerate happens to be installed.
+Each runner does the same work per optimizer step (forward, backward, clip to 1.0, AdamW, linear LR
+schedule, zero_grad) on the same batches. Every run is a fresh subprocess of this script, so peak
+memory and time to the first step are the runner's own; runners are interleaved and the best of
+``--repeats`` is kept, which makes the ratios robust to machine noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS: dict[str, dict[str, Any]] = {
+    # runs in CI in well under a minute on 2 cores
+    "tiny": dict(hidden_size=128, intermediate_size=256, layers=2, heads=4, vocab=1024, seq=64, batch=8, steps=60),
+    "small": dict(hidden_size=256, intermediate_size=768, layers=4, heads=8, vocab=4096, seq=128, batch=8, steps=40),
+    # a Llama-style decoder of about 1.1B parameters, bf16, sequence 2048 (for the lent GPU)
+    "gpu-1b": dict(
+        hidden_size=2048, intermediate_size=5632, layers=22, heads=32, vocab=32000, seq=2048, batch=4, steps=30
+    ),
+}
+RUNNERS = ("plain", "accelerator", "trainer", "stock-trainer")
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def _model_and_data(cfg: dict[str, Any], n_samples: int, dtype: Any = None):
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"],
+        max_position_embeddings=cfg["seq"],
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab"], (n_samples, cfg["seq"]), generator=g)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}).with_format("torch")
+    return model, data
+
+
+class _Clock:
+    """Step timestamps: time to the first step, and the steady rate after the warm-up steps."""
+
+    def __init__(self, warmup: int) -> None:
+        self.t0 = time.perf_counter()
+        self.warmup, self.first, self.start, self.end, self.steps = warmup, None, None, None, 0
+
+    def tick(self, sync: Any = None) -> None:
+        if sync is not None:
+            sync()
+        now = time.perf_counter()
+        self.steps += 1
+        if self.steps == 1:
+            self.first = now - self.t0
+        if self.steps == self.warmup:
+            self.start = now
+        self.end = now
+
+    def rate(self) -> float:
+        return (self.steps - self.warmup) / (self.end - self.start)
+
+
+def _sync_fn(device: Any) -> Any:
+    import torch
+
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def run_plain(cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> dict[str, float]:
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    clock = _Clock(warmup)
+    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    model.to(device).train()
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"], pin_memory=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    for batch in loader:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick(_sync_fn(device))
+    return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
+
+
+def run_accelerator(cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> dict[str, float]:
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    from trainer_ext import Accelerator
+
+    clock = _Clock(warmup)
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if bf16 else "no")
+    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        clock.tick(_sync_fn(device))
+    return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
+
+
+def run_trainer(
+    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, stock: bool = False
+) -> dict[str, float]:
+    import transformers
+
+    if stock:
+        trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
+    else:
+        from trainer_ext import Trainer as trainer_cls
+        from trainer_ext import TrainingArguments as args_cls
+
+    clock = _Clock(warmup)
+    sync = _sync_fn(device)
+
+    class Tick(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick(sync)
+
+    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    args = args_cls(
+        output_dir=str(ROOT / "benchmarks" / "results" / "trainer_output"),
+        per_device_train_batch_size=cfg["batch"],
+        max_steps=steps,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
+        bf16=bf16,
+        logging_steps=steps,  # one log at the end: a real run logs every few hundred steps
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        use_cpu=device.type == "cpu",
+    )
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[Tick()])
+    trainer.train()
+    return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
+
+
+def _child(opts: argparse.Namespace) -> None:
+    """Run one runner in this (fresh) process and print its result as JSON on the last line."""
+    import resource
+
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    cfg = CONFIGS[opts.config]
+    steps = opts.steps or cfg["steps"]
+    bf16 = opts.bf16 if opts.bf16 is not None else device.type == "cuda"
+    runner = {
+        "plain": run_plain,
+        "accelerator": run_accelerator,
+        "trainer": run_trainer,
+        "stock-trainer": lambda *a: run_trainer(*a, stock=True),
+    }[opts.child]
+    result = runner(cfg, steps, opts.warmup, device, bf16)
+    if device.type == "cuda":
+        result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        result["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["tokens_per_s"] = result["steps_per_s"] * cfg["batch"] * cfg["seq"]
+    result["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result["mfu"] = _mfu(cfg, result["tokens_per_s"], result["device"], bf16)
+    print(json.dumps(result))
+
+
+def _mfu(cfg: dict[str, Any], tokens_per_s: float, device: str, bf16: bool) -> float | None:
+    """Model FLOPs utilisation: (6N + 12·L·H·S) FLOPs per token against the GPU's bf16 peak."""
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device), None)
+    if peak is None or not bf16:
+        return None
+    h, layers, seq = cfg["hidden_size"], cfg["layers"], cfg["seq"]
+    n = layers * (4 * h * h + 3 * h * cfg["intermediate_size"]) + cfg["vocab"] * h  # non-embedding + head
+    return tokens_per_s * (6 * n + 12 * layers * h * seq) / peak
+
+
+def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--child",
+        name,
+        "--config",
+        opts.config,
+        "--warmup",
+        str(opts.warmup),
+    ]
+    if opts.steps:
+        cmd += ["--steps", str(opts.steps)]
+    if opts.cpu:
+        cmd.append("--cpu")
+    if opts.bf16 is not None:
+        cmd.append("--bf16" if opts.bf16 else "--no-bf16")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"runner {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def import_times() -> dict[str, float]:
+    """Seconds to import, each in a fresh interpreter (best of 3)."""
+    out = {}
+    for label, stmt in (
+        ("import transformers", "import transformers"),
+        ("import trainer_ext", "import trainer_ext"),
+        ("from trainer_ext import Trainer", "from trainer_ext import Trainer"),
+    ):
+        code = f"import time; t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)"
+        runs = [
+            float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+            for _ in range(3)
+        ]
+        out[label] = min(runs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the rate")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N interleaved runs per runner")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.child:
+        _child(opts)
+        return {}
+    runners = [r.strip() for r in opts.runners.split(",") if r.strip()]
+    if "stock-trainer" in runners and importlib.util.find_spec("accelerate") is None:
+        runners.remove("stock-trainer")  # transformers' own Trainer needs accelerate
+    results: dict[str, dict[str, Any]] = {}
+    for _ in range(opts.repeats):
+        for name in runners:
+            r = _run_child(name, opts)
+            if name not in results or r["steps_per_s"] > results[name]["steps_per_s"]:
+                results[name] = r
+    base = results["plain"]["steps_per_s"] if "plain" in results else None
+    cfg = CONFIGS[opts.config]
+    device = next(iter(results.values()))["device"]
+    print(
+        f"config={opts.config} ({cfg['layers']}x{cfg['hidden_size']}, seq {cfg['seq']}, batch {cfg['batch']}) "
+        f"device={device} steps={opts.steps or cfg['steps']} warmup={opts.warmup} best of {opts.repeats}"
+    )
+    header = (
+        f"{'runner':16} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'peak MB':>9} {'first step s':>12} {'MFU':>6}"
+    )
+    print(header)
+    for name, r in results.items():
+        r["ratio_to_plain"] = r["steps_per_s"] / base if base else None
+        ratio = f"{r['ratio_to_plain']:.3f}" if base else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        print(
+            f"{name:16} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
+            f"{r['peak_memory_mb']:9.0f} {r['first_step_s']:12.2f} {mfu:>6}"
+        )
+    imports = import_times()
+    for label, seconds in imports.items():
+        print(f"{label:34} {seconds:.2f} s")
+    report = {"config": opts.config, "device": device, "results": results, "import_s": imports}
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
