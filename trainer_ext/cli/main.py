@@ -30,6 +30,17 @@ COMMANDS: dict[str, Command] = {
     "train": Command(
         "train or fine-tune a model (no arguments: the built-in demo job)", "trainer_ext.cli.main:run_train"
     ),
+    "launch": Command(
+        "run a script, a module or `train` on several processes or machines", "trainer_ext.cli.launch:run_launch"
+    ),
+    "config": Command(
+        "write a launch config (questionnaire, --default) or check one (validate FILE)",
+        "trainer_ext.cli.config:run_config",
+    ),
+    "env": Command("print versions, devices and the launch config, for bug reports", "trainer_ext.cli.env:run_env"),
+    "test": Command(
+        "self-test the configured processes: collectives and a few training steps", "trainer_ext.cli.selftest:run_test"
+    ),
 }
 
 

@@ -1,0 +1,114 @@
+"""``trainer-ext config``: the questionnaire (answers from stdin), ``--default`` and ``validate FILE``."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer_ext.cli.launch_config import read_config_file
+from trainer_ext.cli.main import main
+
+DEFAULT = Path(".cache") / "trainer_ext" / "default_config.yaml"
+
+
+def answer(monkeypatch: pytest.MonkeyPatch, *lines: str) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+
+
+def written(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_questionnaire_for_two_cpu_machines_writes_the_default_location(gpus, home, monkeypatch, capsys):
+    # environment, machine type, machines, this rank, main address, port (Enter), backend, processes,
+    # DeepSpeed, FSDP, mixed precision
+    answer(monkeypatch, "", "multi_cpu", "2", "1", "10.0.0.1", "", "c10d", "4", "no", "no", "bf16")
+    assert main(["config"]) == 0
+    assert written(home / DEFAULT) == {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_CPU",
+        "num_machines": 2,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "main_process_port": 29500,
+        "rdzv_backend": "c10d",
+        "num_processes": 4,
+        "use_cpu": True,
+        "mixed_precision": "bf16",
+    }
+    assert read_config_file(home / DEFAULT).problems == []
+    assert f"wrote {home / DEFAULT}" in capsys.readouterr().out
+
+
+def test_questionnaire_asks_again_after_a_bad_answer(gpus, tmp_path, monkeypatch, capsys):
+    answer(monkeypatch, "", "MULTI_CPUU", "MULTI_CPU", "1", "three", "3", "no", "/data/fsdp.yaml", "fp16")
+    target = tmp_path / "out.yaml"
+    assert main(["config", "--config_file", str(target)]) == 0
+    captured = capsys.readouterr()
+    assert "Did you mean 'MULTI_CPU'" in captured.out and "'three' is not a whole number" in captured.out
+    config = written(target)
+    assert config["num_processes"] == 3 and config["distributed_type"] == "FSDP"
+    assert config["fsdp_config"] == "/data/fsdp.yaml"
+    # written as asked, but this machine could not launch it: the user is told why
+    assert "fp16" in captured.err and "does not exist" in captured.err
+
+
+def test_questionnaire_on_a_gpu_machine_offers_one_process_per_gpu(gpus, tmp_path, monkeypatch):
+    gpus(4)
+    answer(monkeypatch, "", "", "", "0,1", "", "", "", "")
+    target = tmp_path / "gpu.yaml"
+    assert main(["config", "--config_file", str(target)]) == 0
+    config = written(target)
+    assert (config["distributed_type"], config["gpu_ids"], config["num_processes"]) == ("MULTI_GPU", "0,1", 2)
+
+
+def test_questionnaire_stops_cleanly_when_input_ends(gpus, tmp_path, monkeypatch, capsys):
+    answer(monkeypatch, "", "MULTI_CPU")
+    assert main(["config", "--config_file", str(tmp_path / "x.yaml")]) == 2
+    assert "input ended" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_default_writes_without_questions_and_does_not_overwrite(gpus, home, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["config", "--default"]) == 0
+    assert written(home / DEFAULT)["distributed_type"] == "NO"
+    assert main(["config", "--default"]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    gpus(8)
+    assert main(["config", "--default", "--overwrite"]) == 0
+    config = written(home / DEFAULT)
+    assert (config["distributed_type"], config["num_processes"], config["gpu_ids"]) == ("MULTI_GPU", 8, "all")
+
+
+def test_default_honours_the_environment_variable(gpus, tmp_path, monkeypatch):
+    target = tmp_path / "team" / "launch.yaml"
+    monkeypatch.setenv("TRAINER_EXT_CONFIG_FILE", str(target))
+    assert main(["config", "--default"]) == 0
+    assert target.is_file()
+
+
+def test_validate_explains_every_problem(gpus, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "distributed_type: MULTI_GPU\ngpu_ids: 0,1,2,3\nnum_machines: 2\nmachine_rank: 2\nnum_proceses: 4\n"
+        "same_network: true\n"
+    )
+    assert main(["config", "validate", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert f"{bad}: 4 problem(s)" in out
+    for text in ("unknown key 'num_proceses'", "machine_rank 2", "need --main_process_ip", "no CUDA GPU"):
+        assert text in out
+    assert "same_network: the rendezvous always uses main_process_ip:main_process_port" in out
+
+
+def test_validate_ok_shows_what_the_file_resolves_to(gpus, tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\n")
+    assert main(["config", "validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert f"{good}: OK" in out and "nproc_per_node               2" in out
+    assert main(["config", "validate"]) == 2

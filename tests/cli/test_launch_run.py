@@ -1,0 +1,128 @@
+"""``trainer-ext launch`` end to end on CPU: 2 processes, two "machines" on loopback, one process, failures.
+
+Two launcher invocations with ``--num_machines 2`` on 127.0.0.1 must give exactly the result of one
+machine running 2 processes (same global ranks, same all-reduce order), and the wall times are printed
+(run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
+
+JOB = Path(__file__).with_name("rank_job.py")
+
+
+def environment(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRAINER_EXT_CONFIG_FILE"}
+    env.update(HOME=str(home), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer_ext", "launch", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}"
+    return out, err
+
+
+def ranks(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory) -> tuple[Path, float]:
+    """2 processes on one machine, with precision and accumulation for the script; (output folder, seconds)."""
+    out = tmp_path_factory.mktemp("one_machine")
+    env = environment(tmp_path_factory.mktemp("home"))
+    start = time.perf_counter()
+    options = ["--cpu", "--num_processes", "2", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "3"]
+    finish(launch(*options, str(JOB), str(out), env=env))
+    return out, time.perf_counter() - start
+
+
+def test_two_processes_on_one_machine(one_machine):
+    out, seconds = one_machine
+    infos = ranks(out)
+    assert [i["rank"] for i in infos] == [0, 1] and {i["WORLD_SIZE"] for i in infos} == {"2"}
+    assert {i["MASTER_ADDR"] for i in infos} == {"127.0.0.1"}
+    assert {i["all_reduce"] for i in infos} == {3.0}
+    assert {i["ACCELERATE_MIXED_PRECISION"] for i in infos} == {"bf16"}
+    assert {i["TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"] for i in infos} == {"3"}
+    assert {i["CUDA_VISIBLE_DEVICES"] for i in infos} == {""}
+    print(f"\none machine, 2 processes: {seconds:.1f} s")
+
+
+def test_two_machines_give_the_same_result_as_one(one_machine, tmp_path, home):
+    single_out, single_seconds = one_machine
+    out = tmp_path / "two_machines"
+    out.mkdir()
+    env = environment(home)
+    common = ["--cpu", "--num_machines", "2", "--nproc_per_node", "1", "--main_process_ip", "127.0.0.1"]
+    common += ["--main_process_port", str(free_port()), "--rdzv_timeout", "120", "--mixed_precision", "bf16"]
+    common += ["--gradient_accumulation_steps", "3"]
+    start = time.perf_counter()
+    machines = [launch(*common, "--machine_rank", str(r), str(JOB), str(out), env=env) for r in (0, 1)]
+    for proc in machines:
+        finish(proc)
+    seconds = time.perf_counter() - start
+    infos = ranks(out)
+    assert [(i["rank"], i["GROUP_RANK"]) for i in infos] == [(0, "0"), (1, "1")]
+    assert {i["all_reduce"] for i in infos} == {3.0} and {i["WORLD_SIZE"] for i in infos} == {"2"}
+    two, one = torch.load(out / "weights.pt"), torch.load(single_out / "weights.pt")
+    assert all(torch.equal(two[k], one[k]) for k in one)  # same ranks, same reduction: bitwise equal
+    print(f"\ntwo machines x 1 process: {seconds:.1f} s; one machine x 2 processes: {single_seconds:.1f} s")
+
+
+def test_one_process_runs_directly_without_launcher_variables(one_machine, tmp_path, home):
+    out = tmp_path / "single"
+    out.mkdir()
+    env = environment(home, RANK="5", WORLD_SIZE="9", MASTER_ADDR="10.9.9.9", MASTER_PORT="1")
+    _, err = finish(launch("--cpu", str(JOB), str(out), env=env))
+    (info,) = ranks(out)
+    assert (info["RANK"], info["WORLD_SIZE"], info["MASTER_ADDR"], info["world_size"]) == (None, None, None, 1)
+    assert "1 process on this machine" in err
+    one, ddp = torch.load(out / "weights.pt"), torch.load(one_machine[0] / "weights.pt")
+    assert all(torch.allclose(one[k], ddp[k], atol=1e-6) for k in one)  # whole batch vs mean of 2 halves
+
+
+def test_a_failing_rank_gives_its_exit_code_and_a_summary(tmp_path, home):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    proc = launch("--cpu", "--num_processes", "2", str(script), env=environment(home))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3
+    assert "error: rank 1 (local rank 1," in err and "exit code 3" in err
+
+
+def test_a_machine_that_never_comes_is_diagnosed(tmp_path, home):
+    options = ["--cpu", "--num_machines", "2", "--main_process_ip", "127.0.0.1", "--rdzv_timeout", "2"]
+    proc = launch(*options, "--main_process_port", str(free_port()), str(JOB), str(tmp_path), env=environment(home))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "error: the machines did not meet at 127.0.0.1:" in err and "1/2 clients joined" in err

@@ -1,0 +1,194 @@
+"""``trainer-ext config``: write a launch config by questions or defaults, or explain what is wrong with one.
+
+    trainer-ext config [--config_file PATH]             questions on stdin; Enter takes the default
+    trainer-ext config --default [--config_file PATH]   a file for this machine, no questions
+    trainer-ext config validate FILE                    every problem in FILE; exit code 2 if any
+
+The file uses accelerate's key names (see :mod:`.launch_config`); it goes to ``--config_file``, else
+``$TRAINER_EXT_CONFIG_FILE``, else ``~/.cache/trainer_ext/default_config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from . import launch_settings
+from .launch_config import (
+    IGNORED_KEYS,
+    MIXED_PRECISION,
+    boolean,
+    default_config_path,
+    gpu_ids,
+    host,
+    one_of,
+    read_config_file,
+    whole_number,
+)
+from .launch_settings import resolve
+
+HEADER = (
+    "# Launch config for `trainer-ext launch` (written by `trainer-ext config`).\n"
+    "# Keys follow accelerate's config format; check a file with `trainer-ext config validate FILE`.\n"
+)
+TRIES = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(f"config: {message}")
+
+
+def _optional_path(answer: str) -> str | None:
+    return None if answer.strip().lower() in ("no", "none", "") else answer.strip()
+
+
+class Questions:
+    """Asks on stdout, reads answers from stdin (so tests can pipe them); Enter takes the default."""
+
+    def __init__(self, read: Callable[[str], str] = input) -> None:
+        self.read = read
+
+    def ask(self, question: str, default: Any, convert: Callable[[str], Any]) -> Any:
+        prompt = f"{question} [{default}]: " if default is not None else f"{question}: "
+        for _ in range(TRIES):
+            try:
+                answer = self.read(prompt).strip()
+            except EOFError:
+                raise ConfigError(
+                    f"no answer to {question!r} (input ended); answer every question, or run "
+                    "`trainer-ext config --default`"
+                ) from None
+            if not answer and default is None:
+                print("  an answer is needed")
+                continue
+            try:
+                return convert(answer or str(default))
+            except ValueError as error:
+                print(f"  {error}; try again")
+        raise ConfigError(f"no valid answer to {question!r} after {TRIES} tries")
+
+
+def questionnaire(q: Questions, gpu_count: int) -> dict[str, Any]:
+    """The config built from the answers, in accelerate's key names."""
+    config: dict[str, Any] = {}
+    config["compute_environment"] = q.ask(
+        "Compute environment (LOCAL_MACHINE: this machine, or cluster machines you log into)",
+        "LOCAL_MACHINE",
+        one_of(("LOCAL_MACHINE",), upper=True),
+    )
+    kind = q.ask(
+        "Machine type: NO (one process), MULTI_CPU (several CPU processes), MULTI_GPU (one process per GPU)",
+        "MULTI_GPU" if gpu_count > 1 else "NO",
+        one_of(("NO", "MULTI_CPU", "MULTI_GPU"), upper=True),
+    )
+    config["distributed_type"] = kind
+    machines = 1 if kind == "NO" else q.ask("How many machines?", 1, whole_number(1))
+    config["num_machines"], config["machine_rank"] = machines, 0
+    if machines > 1:
+        config["machine_rank"] = q.ask(f"Rank of this machine (0 to {machines - 1})", 0, whole_number(0, machines - 1))
+        config["main_process_ip"] = q.ask("Address of machine 0, reachable from every machine", None, host)
+        config["main_process_port"] = q.ask("Port on machine 0", 29500, whole_number(1, 65535))
+        config["rdzv_backend"] = q.ask("Rendezvous backend (static, c10d)", "static", one_of(("static", "c10d")))
+    per_machine = 2
+    if kind == "MULTI_GPU":
+        config["gpu_ids"] = q.ask("Which GPUs of each machine (all, or e.g. 0,1)", "all", gpu_ids)
+        per_machine = max(1, gpu_count) if config["gpu_ids"] == "all" else len(config["gpu_ids"].split(","))
+    config["num_processes"] = (
+        1
+        if kind == "NO"
+        else q.ask("How many processes in total, over all machines?", per_machine * machines, whole_number(1))
+    )
+    if kind != "NO":
+        deepspeed = q.ask("DeepSpeed: path of a DeepSpeed JSON config, or no", "no", _optional_path)
+        if deepspeed:
+            config["distributed_type"] = "DEEPSPEED"
+            config["deepspeed_config"] = {"deepspeed_config_file": deepspeed}
+        else:
+            fsdp = q.ask("FSDP: path of an FSDP config file, or no", "no", _optional_path)
+            if fsdp:
+                config["distributed_type"] = "FSDP"
+                config["fsdp_config"] = fsdp
+    config["use_cpu"] = kind == "MULTI_CPU" or (
+        kind == "NO" and gpu_count > 0 and q.ask("Run on the CPU although GPUs are present? (yes/no)", "no", boolean)
+    )
+    config["mixed_precision"] = q.ask(f"Mixed precision ({', '.join(MIXED_PRECISION)})", "no", one_of(MIXED_PRECISION))
+    return config
+
+
+def default_config(gpu_count: int) -> dict[str, Any]:
+    """One process per GPU on a machine with several GPUs; otherwise one process."""
+    config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE"}
+    if gpu_count > 1:
+        config.update(distributed_type="MULTI_GPU", num_processes=gpu_count, gpu_ids="all")
+    else:
+        config.update(distributed_type="NO", num_processes=1)
+    config.update(num_machines=1, machine_rank=0, use_cpu=False, mixed_precision="no")
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> None:
+    """Write ``config`` as YAML with a header saying what it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HEADER + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+
+
+def explain(path: Path) -> tuple[list[str], str]:
+    """Every problem with the config file at ``path``, and a report of what it resolves to."""
+    config = read_config_file(path)
+    settings = resolve({}, config)
+    problems = config.problems + settings.problems
+    lines = [f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
+    lines += [f"  - {p.removeprefix(f'{path}: ')}" for p in problems]
+    if config.ignored:
+        lines.append("ignored accelerate keys (no effect in trainer_ext):")
+        lines += [f"  - {k}: {IGNORED_KEYS.get(k, 'set by the DeepSpeed JSON file instead')}" for k in config.ignored]
+    if settings.notes:
+        lines += ["notes:"] + [f"  - {n}" for n in settings.notes]
+    if not config.problems:
+        lines += ["as launched on this machine:", settings.table()]
+    return problems, "\n".join(lines)
+
+
+def run_validate(argv: Sequence[str]) -> int:
+    """``trainer-ext config validate FILE``: print the report; exit code 2 when there is any problem."""
+    parser = _Parser(prog="trainer-ext config validate", description="Check a launch config file.")
+    parser.add_argument("file", metavar="FILE")
+    args = parser.parse_args(argv)
+    problems, report = explain(Path(args.file))
+    print(report)
+    return 2 if problems else 0
+
+
+def run_config(argv: Sequence[str]) -> int:
+    """``trainer-ext config``: the questionnaire, ``--default``, or ``validate FILE``."""
+    if argv and argv[0] == "validate":
+        return run_validate(argv[1:])
+    parser = _Parser(prog="trainer-ext config", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config_file", "--config-file", metavar="PATH", help="where to write the file")
+    parser.add_argument("--default", action="store_true", help="write a config for this machine without questions")
+    parser.add_argument("--overwrite", action="store_true", help="with --default: replace an existing file")
+    args = parser.parse_args(argv)
+    path = Path(args.config_file).expanduser() if args.config_file else default_config_path()
+    gpu_count = launch_settings.visible_gpus()
+    if args.default:
+        if path.exists() and not args.overwrite:
+            raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or --config_file elsewhere")
+        config = default_config(gpu_count)
+    else:
+        config = questionnaire(Questions(), gpu_count)
+    existed = path.exists()
+    write_config(path, config)
+    print(f"{'replaced' if existed else 'wrote'} {path}")
+    problems, report = explain(path)
+    if problems:
+        print("note: the file is written, but launching it on this machine would fail:", file=sys.stderr)
+        print(report, file=sys.stderr)
+    print(f"try it: trainer-ext launch --config_file {path} --dry_run train")
+    return 0

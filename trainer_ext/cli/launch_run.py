@@ -1,0 +1,44 @@
+"""Start the processes through ``torch.distributed.run`` and turn its failures into a short diagnosis."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def run_torchrun(torchrun_args: Sequence[str]) -> int:
+    """``torch.distributed.run`` with these arguments, in this process; the exit code of the first failure."""
+    import torch.distributed as dist
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    args = torchrun.parse_args(list(torchrun_args))
+    try:
+        torchrun.run(args)
+    except ChildFailedError as error:
+        failures = sorted(error.failures.items())
+        for rank, failure in failures:
+            if failure.exitcode >= 0:
+                how = f"ended with exit code {failure.exitcode}; its own error is printed above"
+            else:
+                how = f"was stopped by signal {-failure.exitcode} (after another rank failed, or from outside)"
+            print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}", file=sys.stderr)
+        code = failures[0][1].exitcode if failures else 1
+        return code if code > 0 else 1
+    except (RendezvousError, dist.DistStoreError, TimeoutError) as error:
+        where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+        why = " ".join(str(error).split()) or "no answer before the rendezvous timeout"
+        print(
+            f"error: the machines did not meet at {where} ({type(error).__name__}: {why}). "
+            "Start the same launch command on every machine, each with its own --machine_rank; check that "
+            "machine 0's address and port are reachable from the others (firewall, interface) and that "
+            "--num_machines is the same everywhere",
+            file=sys.stderr,
+        )
+        return 1
+    except SignalException as error:  # Ctrl-C or a scheduler's SIGTERM: the processes were stopped
+        print(f"stopped by {error.sigval.name}: the processes were ended", file=sys.stderr)
+        return 128 + int(error.sigval)
+    return 0

@@ -1,0 +1,51 @@
+"""``trainer-ext test``: the self-test, started through the launcher on the configured processes.
+
+Takes the launch options (``--num_processes 2``, ``--config_file …``; see ``trainer-ext launch --help``)
+plus ``--timeout SECONDS`` (default 30): how long a collective may wait for a rank before the test
+fails and names the ranks that never arrived. DeepSpeed/FSDP settings are ignored: the test checks the
+processes, the network and plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import ConfigError
+from .launch import describe, execute, prepare
+
+WORKER = "trainer_ext.cli.selftest_worker"
+
+
+def run_test(argv: Sequence[str]) -> int:
+    """Launch the self-test worker on every process; exit code 0 when every check passed."""
+    parser = argparse.ArgumentParser(prog="trainer-ext test", add_help=False, allow_abbrev=False)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--simulate_hang", "--simulate-hang", type=int, default=None)
+    if any(word in ("-h", "--help") for word in argv):
+        print(f"usage: trainer-ext test [launch options] [--timeout SECONDS]\n\n{__doc__}")
+        return 0
+    try:
+        own, launch_options = parser.parse_known_args(list(argv))
+    except SystemExit:
+        raise ConfigError("test: --timeout needs a number of seconds") from None
+    if own.timeout <= 0:
+        raise ConfigError("test: --timeout must be positive")
+    stray = [word for word in launch_options if word in ("train", "-m", "--module") or word.endswith(".py")]
+    if stray:
+        raise ConfigError(f"test: takes launch options only, not a target ({stray[0]!r})")
+    worker = ["-m", WORKER, "--timeout", f"{own.timeout:g}"]
+    if own.simulate_hang is not None:
+        worker += ["--simulate_hang", str(own.simulate_hang)]
+    settings, plan, dry_run = prepare([*launch_options, *worker], strategy=False)
+    if dry_run:
+        print(describe(settings, plan))
+        return 0
+    for note in settings.notes + plan.notes:
+        print(f"trainer-ext test: note: {note}", file=sys.stderr)
+    code = execute(plan)
+    if code != 0:
+        print(f"self-test FAILED (exit code {code}); see the FAIL lines and diagnosis above", file=sys.stderr)
+        return 1
+    return 0
