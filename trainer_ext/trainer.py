@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from . import _compat
+from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.run_summary import RunSummaryCallback
 from .dist.data import check_shardable
 from .dist.engine import Engine
@@ -66,6 +67,10 @@ class Trainer(transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
         self.add_callback(RunSummaryCallback(self))
+        present = {type(callback) for callback in self.callback_handler.callbacks}
+        for default in (MainProcessLoggingCallback, BarrierCallback, UnwrapAndSaveCallback):
+            if default not in present:  # a user's own instance (callbacks=[...]) wins over the default
+                self.add_callback(default() if default is BarrierCallback else default(self))
 
     def _fix_loss_kwargs_detection(self) -> None:
         """Only trust token-count normalisation from models whose loss really uses ``num_items_in_batch``."""

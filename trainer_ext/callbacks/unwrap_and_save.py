@@ -1,0 +1,193 @@
+"""UnwrapAndSaveCallback: checkpoints that are checked, and a final model in ``output_dir`` that reloads.
+
+Where it writes, so that it never fights the Trainer's own saving:
+
+- at each save the Trainer has already written ``checkpoint-N`` (through ``save_model``); this callback does not
+  write it again, it checks it: the safetensors headers must hold the unwrapped model's parameter names and shapes;
+- at the end of training it writes the final model (unwrapped: DDP, ``torch.compile``; a PEFT model as its adapter,
+  the way PEFT's ``save_pretrained`` does), its config and the tokenizer (``processing_class``) as safetensors to
+  ``output_dir`` — where ``trainer.save_model()`` writes by default, so a later call by the user rewrites the same
+  files — then checks them the same way.
+
+Only the saving processes (``args.should_save``: the main process) write and check; the others wait for their verdict,
+and a mismatch raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_model as save_safetensors_model
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
+PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+class SavedModelMismatchError(RuntimeError):
+    """The files saved for a model do not hold its parameter names and shapes."""
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """A ``peft.PeftModel`` (duck-typed: peft is an optional dependency)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, set[str]], str]:
+    """Names and shapes the saved files must hold, names that share storage (tied), and the weights file name."""
+    if is_peft_model(model) or getattr(model, "_hf_peft_config_loaded", False):
+        # NOTE: not exercised in our tests (peft is not a dependency): the adapter as PEFT saves it
+        if is_peft_model(model):
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(model)
+        else:
+            state = model.get_adapter_state_dict()
+        return {k: tuple(v.shape) for k, v in state.items()}, {}, ADAPTER_FILE
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    storage: dict[tuple[int, int, tuple[int, ...]], set[str]] = {}
+    for name, tensor in state.items():
+        if tensor.device.type != "meta":
+            storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
+    tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    try:  # transformers >= 5 renames/fuses some weights back to the hub layout on save (e.g. Mixtral experts)
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return shapes, tied, MODEL_FILE
+    if hasattr(model, "config") and hasattr(model, "save_pretrained"):
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+        try:
+            converted = revert_weight_conversion(model, meta)
+        except Exception:  # a conversion that cannot run on meta tensors: compare the names as they are
+            return shapes, tied, MODEL_FILE
+        if set(converted) != set(meta):
+            return {k: tuple(v.shape) for k, v in converted.items()}, tied, MODEL_FILE
+    return shapes, tied, MODEL_FILE
+
+
+def saved_tensors(folder: str | os.PathLike, weights_file: str = MODEL_FILE) -> dict[str, tuple[int, ...]]:
+    """Names and shapes in a folder's safetensors weights (one file, or the shards of its ``.index.json``)."""
+    folder = Path(folder)
+    index = folder / f"{weights_file}.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / weights_file).is_file():
+        files = [weights_file]
+    else:
+        raise SavedModelMismatchError(f"{folder} holds no {weights_file} (nor {index.name})")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:
+    """Raise :class:`SavedModelMismatchError` unless ``folder`` reloads into ``model``'s parameter names and shapes.
+
+    A tied weight (sharing storage with another) may be missing from the files when one of its group is there:
+    ``save_pretrained`` keeps one copy.
+    """
+    expected, tied, weights_file = _expected_tensors(model)
+    saved = saved_tensors(folder, weights_file)
+    missing = sorted(k for k in expected.keys() - saved.keys() if not tied.get(k, set()) & saved.keys())
+    extra = sorted(saved.keys() - expected.keys())
+    common = expected.keys() & saved.keys()
+    wrong = sorted(
+        f"{k}: saved {list(saved[k])}, model {list(expected[k])}" for k in common if saved[k] != expected[k]
+    )
+    problems = [
+        f"{label} ({len(items)}): {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+        for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong))
+        if items
+    ]
+    config_file = "adapter_config.json" if weights_file == ADAPTER_FILE else "config.json"
+    if hasattr(model, "config") and not (Path(folder) / config_file).is_file():
+        problems.append(f"no {config_file}")
+    if processing_class is not None and not any((Path(folder) / f).is_file() for f in PROCESSING_FILES):
+        problems.append(f"no tokenizer/processor files (looked for {', '.join(PROCESSING_FILES)})")
+    if problems:
+        raise SavedModelMismatchError(
+            f"the model saved in {folder} does not reload as {type(model).__name__}: " + "; ".join(problems)
+        )
+
+
+def save_unwrapped(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:
+    """Write an already unwrapped model (+ config) and its tokenizer/processor to ``folder`` as safetensors."""
+    os.makedirs(folder, exist_ok=True)
+    if hasattr(model, "save_pretrained"):  # PreTrainedModel, and PeftModel (writes the adapter only)
+        model.save_pretrained(folder)
+    else:
+        save_safetensors_model(model, os.path.join(folder, MODEL_FILE), metadata={"format": "pt"})
+    if processing_class is not None:
+        processing_class.save_pretrained(folder)
+
+
+def _agree(error: str | None) -> None:
+    """Raise on every rank when any rank has an error (the non-saving ranks wait here for the saving ones)."""
+    errors = [error]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    found = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
+    if found:
+        raise SavedModelMismatchError("; ".join(found))
+
+
+class UnwrapAndSaveCallback(TrainerCallback):
+    """Check each checkpoint the Trainer writes; write and check the final model at the end of training.
+
+    With ``trainer`` the model is ``trainer.accelerator.unwrap_model(trainer.model_wrapped)``; without it, the model the
+    Trainer hands to callbacks (its ``model``, already outside DDP; a ``torch.compile`` wrapper is removed).
+    ``final_dir`` defaults to ``output_dir``; ``save_final=False`` only checks checkpoints.
+    """
+
+    def __init__(
+        self, trainer: Any = None, final_dir: str | os.PathLike | None = None, save_final: bool = True
+    ) -> None:
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
+        self.final_dir = final_dir
+        self.save_final = save_final
+        self.verified: list[str] = []  # folders checked, in order
+
+    def _model(self, model: Any, processing_class: Any) -> tuple[torch.nn.Module, Any]:
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None:
+            unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped, keep_torch_compile=False)
+            return unwrapped, trainer.processing_class
+        return getattr(model, "_orig_mod", model), processing_class
+
+    def _check(self, args: Any, folder: str, write: bool, model: Any, processing_class: Any) -> None:
+        error = None
+        if args.should_save:
+            try:
+                model, processing_class = self._model(model, processing_class)
+                if write:
+                    save_unwrapped(model, folder, processing_class)
+                verify_saved_model(model, folder, processing_class)
+            except Exception as e:  # reported on every rank by _agree, so that none is left waiting
+                error = f"{type(e).__name__}: {e}"
+        _agree(error)
+        self.verified.append(folder)
+
+    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if state.is_hyper_param_search:  # checkpoints then go to a per-trial folder
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self._check(args, folder, False, model, processing_class)
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.save_final:
+            self._check(args, str(self.final_dir or args.output_dir), True, model, processing_class)
