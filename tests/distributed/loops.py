@@ -88,6 +88,25 @@ def main(out: str) -> None:
         tracker.finish()
     gathered = accelerator.gather_for_metrics(torch.arange(3) + 10 * accelerator.process_index)
     main_only = accelerator.on_main_process(lambda: accelerator.process_index)()
+    rank = accelerator.process_index
+    members = {
+        "reduce_sum": accelerator.reduce(torch.tensor([rank + 1.0])).tolist(),
+        "reduce_mean": accelerator.reduce(torch.tensor([rank + 1.0]), "mean").tolist(),
+        "gather": accelerator.gather(torch.tensor([rank])).tolist(),
+        "padded": accelerator.pad_across_processes(torch.ones(rank + 1), dim=0, pad_index=-1).tolist(),
+        "distributed_type": str(accelerator.distributed_type.value),
+        "num_processes": accelerator.num_processes,
+    }
+    order_file = out_dir / "order.txt"
+    with accelerator.main_process_first():
+        with open(order_file, "a") as handle:
+            handle.write(f"{rank}\n")
+    accelerator.wait_for_everyone()
+    members["order"] = order_file.read_text().split()
+    model = tiny_llama(3)
+    accelerator.save_model(model, out_dir / "saved")
+    members["saved_files"] = sorted(p.name for p in (out_dir / "saved").iterdir())
+    accelerator.print(f"printed by rank {rank}")
     if rank == 0:
         save_file(parity, str(out_dir / "parity.safetensors"))
         save_file(accum, str(out_dir / "accum.safetensors"))
@@ -100,6 +119,7 @@ def main(out: str) -> None:
                     "accum": accum_info,
                     "gathered": gathered.tolist(),
                     "main_only": main_only,
+                    "members": members,
                 }
             )
         )

@@ -19,7 +19,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("loops")
-    run_ranks(HERE / "loops.py", 2, str(out))
+    proc = run_ranks(HERE / "loops.py", 2, str(out))
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -68,3 +69,15 @@ def test_trackers_write_on_the_main_process_only(two_ranks: Path) -> None:
         if "rank_loss" in events.Tags()["scalars"]:
             values += [e.value for e in events.Scalars("rank_loss")]
     assert values == [0.0], "only rank 0 logs"
+
+
+def test_collectives_and_process_members_on_two_ranks(two_ranks: Path) -> None:
+    members = json.loads((two_ranks / "results.json").read_text())["members"]
+    assert members["reduce_sum"] == [3.0] and members["reduce_mean"] == [1.5]
+    assert members["gather"] == [0, 1]
+    assert members["padded"] == [1.0, -1.0]  # rank 0's tensor padded to rank 1's length
+    assert members["distributed_type"] == "MULTI_CPU" and members["num_processes"] == 2
+    assert members["order"] == ["0", "1"], "main_process_first: the main process runs the block first"
+    assert "model.safetensors" in members["saved_files"] and "config.json" in members["saved_files"]
+    stdout = (two_ranks / "stdout.txt").read_text()
+    assert "printed by rank 0" in stdout and "printed by rank 1" not in stdout
