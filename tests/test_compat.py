@@ -97,3 +97,12 @@ def test_activation_checkpointing_rule_reads_both_spellings() -> None:
 
     assert _compat.uses_activation_checkpointing(Old(), Args())
     assert not _compat.uses_activation_checkpointing(object(), Args())
+
+
+def test_the_checkpoint_internals_we_rely_on() -> None:
+    """_save_checkpoint is the override point; rotation reads args.save_total_limit; RNG files need numpy globals."""
+    assert callable(transformers.Trainer._save_checkpoint)
+    assert "save_total_limit" in inspect.getsource(transformers.Trainer._save_checkpoint)
+    assert "weights_only=True" in inspect.getsource(transformers.Trainer._load_rng_state)
+    with _compat.numpy_rng_safe_globals():
+        pass

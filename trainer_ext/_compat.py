@@ -163,3 +163,10 @@ def loss_uses_num_items(model: Any) -> bool | None:
     if not loss_calls:
         return any(isinstance(n, ast.Name) and n.id == "num_items_in_batch" for n in ast.walk(tree))
     return any(kw.arg is None or kw.arg == "num_items_in_batch" for call in loss_calls for kw in call.keywords)
+
+
+def numpy_rng_safe_globals() -> Any:
+    """The weights-only allow-list transformers uses to read the numpy RNG state in ``rng_state*.pth``."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    return safe_globals()

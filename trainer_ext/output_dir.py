@@ -58,16 +58,23 @@ def read_fingerprint(directory: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def resume_target(args: TrainJobArguments) -> bool | str | None:
-    """``--resume_from_checkpoint`` as Trainer.train wants it: None, True (latest in output_dir) or a path."""
+    """``--resume_from_checkpoint`` as Trainer.train wants it: None, True (newest complete), "auto" or a path.
+
+    "auto" resumes from the newest complete checkpoint when there is one and starts fresh otherwise: the
+    same command works for the first start and for every restart or requeue.
+    """
     value = args.resume_from_checkpoint
     if value is None or str(value).strip().lower() in _FALSE:
         return None
+    if str(value).strip().lower() == "auto":
+        return "auto"
     if str(value).strip().lower() in _TRUE:
         return True
     if not os.path.isdir(value):
         raise ConfigError(
             f"--resume_from_checkpoint {value!r}: no such checkpoint directory. Pass a checkpoint-N "
-            "folder, or 'true' for the latest checkpoint in --output_dir"
+            "folder, 'true' for the newest complete checkpoint in --output_dir, or 'auto' (that one if any, "
+            "else start fresh)"
         )
     return value
 
@@ -106,7 +113,8 @@ def check(args: TrainJobArguments) -> bool | str | None:
         latest = get_last_checkpoint(str(out)) or str(found[-1])
         raise ConfigError(
             f"--output_dir {str(out)!r} holds checkpoints of this job (latest: {os.path.basename(latest)}). Pass "
-            "--resume_from_checkpoint true to continue from the latest one, or --overwrite_output_dir to start over"
+            "--resume_from_checkpoint true (or auto) to continue from the newest complete one, or "
+            "--overwrite_output_dir to start over"
         )
     return resume
 

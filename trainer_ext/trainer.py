@@ -17,6 +17,7 @@ from transformers.utils import logging
 from . import _compat
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.run_summary import RunSummaryCallback
+from .checkpointing import CheckpointingMixin
 from .dist.data import check_shardable
 from .dist.engine import Engine
 from .errors import ConfigError
@@ -50,7 +51,7 @@ def _as_list(datasets: Any) -> list[Any]:
     return list(datasets.values()) if isinstance(datasets, dict) else [datasets]
 
 
-class Trainer(transformers.Trainer):
+class Trainer(CheckpointingMixin, transformers.Trainer):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:

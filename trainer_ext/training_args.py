@@ -50,6 +50,23 @@ class TrainingArguments(transformers.TrainingArguments):
         default=2000,
         metadata={"help": "Number of consecutive steps without inf/NaN gradients before the fp16 loss scale doubles."},
     )
+    preemption_grace_seconds: float = field(
+        default=30.0,
+        metadata={
+            "help": (
+                "Seconds the scheduler leaves between SIGTERM/SIGUSR1 and the kill. The checkpoint is saved at the "
+                "next step boundary; a warning is logged when that came later than this."
+            )
+        },
+    )
+    preemption_exit_code: int = field(
+        default=75,
+        metadata={"help": "Exit code after the checkpoint saved on SIGTERM/SIGUSR1 (75 = EX_TEMPFAIL, retry later)."},
+    )
+    preemption_check_steps: int = field(
+        default=1,
+        metadata={"help": "Agree across ranks on a received preemption signal every N optimizer steps."},
+    )
 
     def __post_init__(self) -> None:
         self._refuse_unsupported()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -17,25 +18,46 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpointing.marker import COMPLETE, read_marker, remove_marker, write_marker
 from ..errors import ConfigError
 from .state import DistState
 
-COMPLETE = "COMPLETE"
+__all__ = ["COMPLETE", "load_state", "save_state"]
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors, ints and strings: loadable with ``weights_only=True``."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _load(path: Path, **kwargs: Any) -> Any:
+    """``torch.load`` with ``weights_only=True``: a file that needs arbitrary unpickling is refused."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(
+            f"{str(path)!r} holds objects that only a full unpickle could rebuild (it could run code); "
+            f"refused. Save plain tensors/numbers in state_dict() ({' '.join(str(error).split())[:200]})"
+        ) from error
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -68,7 +90,7 @@ def save_state(
     rank = state.process_index
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / COMPLETE).unlink(missing_ok=True)
+        remove_marker(out)
         for i, model in enumerate(models):
             save_file(_model_state(model), str(out / f"model_{i}.safetensors"))
         for i, optimizer in enumerate(optimizers):
@@ -88,10 +110,7 @@ def save_state(
     torch.save(per_rank, out / f"rank_{rank}.pt")
     state.wait_for_everyone()
     if state.is_main_process:
-        with open(out / COMPLETE, "w") as handle:
-            handle.write(f"{state.num_processes}\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_marker(out, world_size=state.num_processes)
     state.wait_for_everyone()
     return out
 
@@ -114,7 +133,7 @@ def load_state(
             f"{str(src)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
             "saving); pick another checkpoint directory"
         )
-    saved_ranks = int((src / COMPLETE).read_text().strip() or 0)
+    saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
     if saved_ranks != state.num_processes:
         raise ConfigError(
             f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
@@ -130,14 +149,14 @@ def load_state(
             )
     location = state.device
     for i, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(torch.load(src / f"optimizer_{i}.bin", map_location=location, weights_only=False))
+        optimizer.load_state_dict(_load(src / f"optimizer_{i}.bin", map_location=location))
     for i, scheduler in enumerate(schedulers):
-        scheduler.load_state_dict(torch.load(src / f"scheduler_{i}.bin", weights_only=False))
+        scheduler.load_state_dict(_load(src / f"scheduler_{i}.bin"))
     for i, obj in enumerate(custom or []):
-        obj.load_state_dict(torch.load(src / f"custom_{i}.bin", weights_only=False))
+        obj.load_state_dict(_load(src / f"custom_{i}.bin"))
     if scaler is not None and (src / "scaler.pt").exists():
-        scaler.load_state_dict(torch.load(src / "scaler.pt", weights_only=False))
-    per_rank = torch.load(src / f"rank_{state.process_index}.pt", weights_only=False)
+        scaler.load_state_dict(_load(src / "scaler.pt"))
+    per_rank = _load(src / f"rank_{state.process_index}.pt")
     _set_rng_state(per_rank["rng"], state.device)
     for dl, position in zip(dataloaders, per_rank["dataloaders"], strict=False):
         if position is not None and hasattr(dl, "load_state_dict"):

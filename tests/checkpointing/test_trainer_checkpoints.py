@@ -1,0 +1,148 @@
+"""Atomic checkpoints, newest-complete resume, fallback on corrupted files, safe rotation, preemption (1 rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import StopAt, make_args, weights
+from tiny import lm_dataset, tiny_llama
+from transformers import TrainerCallback
+
+from trainer_ext import Trainer
+from trainer_ext.checkpointing import COMPLETE, Preempted, newest_complete
+from trainer_ext.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+DATA = lm_dataset(24, seed=3)
+COMMON = dict(save_strategy="steps", save_steps=2, num_train_epochs=1)  # 12 steps of batch 2
+
+
+def _trainer(out: Path, callbacks=(), **overrides) -> Trainer:
+    args = make_args(out, **{**COMMON, **overrides})
+    return Trainer(model=tiny_llama(0), args=args, train_dataset=DATA, callbacks=list(callbacks))
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    trainer = _trainer(tmp_path_factory.mktemp("full"))
+    trainer.train()
+    return weights(trainer)
+
+
+def test_every_checkpoint_is_committed_last(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    _trainer(tmp_path, callbacks=[StopAt(4)]).train()
+    assert signal.getsignal(signal.SIGTERM) == before, "the preemption handlers are restored after training"
+    for step in (2, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        body = json.loads((folder / COMPLETE).read_text())
+        assert body["world_size"] == 1 and body["step"] == step
+        assert "model.safetensors" in body["files"] and "optimizer.pt" in body["files"]
+        newest_file = max(p.stat().st_mtime_ns for p in folder.iterdir() if p.name != COMPLETE)
+        assert (folder / COMPLETE).stat().st_mtime_ns >= newest_file
+
+
+def test_auto_resume_skips_a_partial_checkpoint_and_matches_the_full_run(
+    tmp_path: Path, full_run: dict, caplog
+) -> None:
+    _trainer(tmp_path, callbacks=[StopAt(6)]).train()
+    (tmp_path / "checkpoint-6" / COMPLETE).unlink()  # as if killed while writing checkpoint-6
+    resumed = _trainer(tmp_path)
+    with caplog.at_level("WARNING"):
+        resumed.train(resume_from_checkpoint="auto")
+    assert "checkpoint-6: no COMPLETE marker" in caplog.text and "checkpoint-4" in caplog.text
+    _assert_equal(weights(resumed), full_run)
+
+
+@pytest.mark.parametrize("damage", ["truncate_weights", "corrupt_optimizer", "truncate_rng"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, damage: str, caplog) -> None:
+    _trainer(tmp_path, callbacks=[StopAt(4)]).train()
+    folder = tmp_path / "checkpoint-4"
+    name = {"truncate_weights": "model.safetensors", "corrupt_optimizer": "optimizer.pt"}.get(damage, "rng_state.pth")
+    data = (folder / name).read_bytes()
+    if damage.startswith("truncate"):
+        (folder / name).write_bytes(data[: len(data) // 2])
+    else:  # same size, garbage over the pickled structure: only loading it can tell
+        (folder / name).write_bytes(b"\0" * 64 + data[64:])
+    chosen, skipped = newest_complete(tmp_path)
+    assert chosen == tmp_path / "checkpoint-2"
+    assert len(skipped) == 1 and skipped[0].startswith(f"checkpoint-4: {name}")
+    with pytest.raises(ConfigError, match="refusing to resume"):
+        _trainer(tmp_path).resolve_resume(str(folder))
+
+
+def test_a_pickled_object_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    _trainer(tmp_path, callbacks=[StopAt(2)]).train()
+    folder = tmp_path / "checkpoint-2"
+    torch.save({"evil": os.system}, folder / "scheduler.pt")  # would run code with weights_only=False
+    (folder / COMPLETE).unlink()  # as a checkpoint from elsewhere: no marker, the files alone decide
+    with pytest.raises(ConfigError, match=r"scheduler\.pt cannot be loaded safely \(weights_only=True\)"):
+        _trainer(tmp_path).resolve_resume(str(folder))
+
+
+def test_true_without_a_complete_checkpoint_explains(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint-3").mkdir(parents=True)
+    trainer = _trainer(tmp_path)
+    with pytest.raises(ConfigError, match="no complete checkpoint.*checkpoint-3: no COMPLETE marker"):
+        trainer.resolve_resume(True)
+    assert trainer.resolve_resume("auto") is None
+
+
+def test_another_model_or_world_size_is_refused(tmp_path: Path) -> None:
+    _trainer(tmp_path, callbacks=[StopAt(2)]).train()
+    folder = tmp_path / "checkpoint-2"
+    other = Trainer(
+        model=torch.nn.Sequential(torch.nn.Linear(3, 3)), args=make_args(tmp_path, **COMMON), train_dataset=DATA
+    )
+    with pytest.raises(ConfigError, match="holds another model"):
+        other.resolve_resume(str(folder))
+    body = json.loads((folder / COMPLETE).read_text())
+    (folder / COMPLETE).write_text(json.dumps({**body, "world_size": 4}))
+    with pytest.raises(ConfigError, match="saved by 4 processes, this run has 1"):
+        _trainer(tmp_path).resolve_resume(str(folder))
+
+
+def test_rotation_keeps_the_limit_and_only_complete_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint-1").mkdir(parents=True)  # a partial leftover of an earlier crash
+    _trainer(tmp_path, save_total_limit=2, callbacks=[StopAt(8)]).train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+
+
+class KillSelf(TrainerCallback):
+    """Send ``sig`` to this process during step ``step`` (before its end), as a scheduler would."""
+
+    def __init__(self, step: int, sig: int) -> None:
+        self.step, self.sig = step, sig
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            os.kill(os.getpid(), self.sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_at_the_next_step_and_exits_75(tmp_path: Path, sig: int, full_run: dict) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = _trainer(tmp_path, callbacks=[KillSelf(5, sig)])
+    try:
+        with pytest.raises(Preempted) as stopped:
+            trainer.train()
+    finally:  # after a preemption the handlers stay, so a second signal cannot kill the exiting process
+        for caught in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(caught, before if caught == signal.SIGTERM else signal.SIG_DFL)
+    assert stopped.value.code == 75
+    assert (tmp_path / "checkpoint-5" / COMPLETE).is_file()
+    assert not (tmp_path / "checkpoint-6").exists()
+    resumed = _trainer(tmp_path)
+    resumed.train(resume_from_checkpoint="auto")
+    _assert_equal(weights(resumed), full_run)

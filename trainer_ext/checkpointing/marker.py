@@ -1,0 +1,199 @@
+"""The commit marker of a checkpoint, its verification, the newest complete checkpoint and safe rotation.
+
+A checkpoint directory counts only once ``COMPLETE`` is in it: written last, after every rank has written
+its files, fsynced with its directory. The marker lists each file's size so a truncated file is caught
+without reading it; safetensors headers and torch files are also opened (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMPLETE = "COMPLETE"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
+_NOT_LOADED = {"training_args.bin"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that must not be resumed from; the message says why."""
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename, creation or removal inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _files(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != COMPLETE
+    }
+
+
+def write_marker(directory: str | os.PathLike, *, world_size: int, step: int | None = None) -> Path:
+    """Commit ``directory``: write ``COMPLETE`` (file sizes, world size) through a temporary file, fsynced."""
+    out = Path(directory)
+    body = {"trainer_ext_checkpoint": 1, "world_size": world_size, "step": step, "files": _files(out)}
+    tmp = out / f".{COMPLETE}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(body, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, out / COMPLETE)
+    _fsync_dir(out)
+    return out / COMPLETE
+
+
+def remove_marker(directory: str | os.PathLike) -> None:
+    """Un-commit ``directory`` before it is rewritten or deleted, so it is never half-valid."""
+    out = Path(directory)
+    if (out / COMPLETE).exists():
+        (out / COMPLETE).unlink()
+        _fsync_dir(out)
+
+
+def read_marker(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker's contents, ``{}`` for an old plain-text marker, or None when there is none."""
+    path = Path(directory) / COMPLETE
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"world_size": int(text)} if text.isdigit() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_safetensors(path: Path) -> dict[str, Any]:
+    """The header of a safetensors file; CheckpointError when it is truncated or not safetensors."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path.name} is truncated ({size} bytes)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > size - 8:
+            raise CheckpointError(f"{path.name} is truncated or corrupted (header of {length} bytes in {size})")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            raise CheckpointError(f"{path.name} has a corrupted header ({error})") from error
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        raise CheckpointError(f"{path.name} is truncated: {size} bytes, its header needs {8 + length + end}")
+    return header
+
+
+def check_torch_file(path: Path) -> None:
+    """Open a torch file with ``weights_only=True`` (no code runs); CheckpointError when it fails."""
+    from .._compat import numpy_rng_safe_globals
+
+    try:
+        with numpy_rng_safe_globals():
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # truncated zip, bad pickle, or a global outside the weights-only allow-list
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"{path.name} cannot be loaded safely (weights_only=True): {reason}") from error
+
+
+def verify(directory: str | os.PathLike, *, require_marker: bool = True) -> dict[str, Any]:
+    """Check a checkpoint: marker present, file sizes as committed, headers and torch files readable."""
+    src = Path(directory)
+    marker = read_marker(src)
+    if marker is None:
+        if require_marker:
+            raise CheckpointError(f"no {COMPLETE} marker (missing, or interrupted while saving)")
+        marker = {}
+    for name, size in (marker.get("files") or {}).items():
+        path = src / name
+        if not path.is_file():
+            raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
+    for path in sorted(src.rglob("*")):
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            check_safetensors(path)
+        elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
+            check_torch_file(path)
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as error:
+                raise CheckpointError(f"{path.name} is not valid JSON ({error})") from error
+    return marker
+
+
+def sorted_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``directory``, by step, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def newest_complete(directory: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and one line per newer checkpoint skipped and why."""
+    skipped: list[str] = []
+    for path in reversed(sorted_checkpoints(directory)):
+        try:
+            verify(path)
+        except CheckpointError as error:
+            skipped.append(f"{path.name}: {error}")
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def rotate(directory: str | os.PathLike, limit: int | None, *, best: str | os.PathLike | None = None) -> list[Path]:
+    """Keep at most ``limit`` complete checkpoints (transformers' rule); drop incomplete ones older than the newest.
+
+    Never deletes the newest complete checkpoint nor ``best``. Call it from one process per filesystem.
+    Each deletion removes the marker first, so a half-deleted folder is never taken for a complete one.
+    """
+    if limit is None or limit <= 0:
+        return []
+    found = sorted_checkpoints(directory)
+    complete = [p for p in found if read_marker(p) is not None]
+    if not complete:
+        return []
+    newest = complete[-1]
+    protected = {newest.resolve()} | ({Path(best).resolve()} if best else set())
+    doomed = [p for p in found if p not in complete and _step(p) < _step(newest)]
+    remaining = len(complete)
+    for path in complete:
+        if remaining <= max(limit, len(protected)):
+            break
+        if path.resolve() not in protected:
+            doomed.append(path)
+            remaining -= 1
+    for path in doomed:
+        remove_marker(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(doomed, key=_step)
+
+
+def _step(path: Path) -> int:
+    return int(_CHECKPOINT.match(path.name).group(1))

@@ -1,0 +1,173 @@
+"""Trainer overrides that make checkpoints atomic, resume pick the newest complete one, and preemption save.
+
+transformers writes ``checkpoint-N`` from several ranks and rotates before the other ranks have finished;
+here every save is committed by a marker written after a barrier, rotation runs after the commit and
+counts only complete checkpoints, and resume verifies what it loads (``weights_only=True`` throughout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from . import marker
+from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
+
+logger = logging.getLogger(__name__)
+AUTO = "auto"
+
+
+def _barrier(trainer: Any) -> None:
+    trainer.accelerator.state.wait_for_everyone()
+
+
+class CheckpointingMixin:
+    """Mix in before ``transformers.Trainer``: atomic checkpoints, verified resume, preemption."""
+
+    _preemption: PreemptionCallback | None = None
+    _rotation_limit: int | None = None
+
+    def _install_preemption(self) -> PreemptionCallback:
+        if self._preemption is None:
+            grace = getattr(self.args, "preemption_grace_seconds", 30.0)
+            every = getattr(self.args, "preemption_check_steps", 1)
+            self._preemption = PreemptionCallback(self.args.device, grace, every)
+            self.add_callback(self._preemption)
+        return self._preemption
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train`` with ``True``/``"auto"`` resolved to the newest complete checkpoint."""
+        resume = self.resolve_resume(resume_from_checkpoint)
+        preemption = self._install_preemption()
+        self._rotation_limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
+        try:
+            result = super().train(resume, *args, **kwargs)
+        finally:
+            self.args.save_total_limit, self._rotation_limit = self._rotation_limit, None
+        if preemption.preempted_at is not None:
+            code = getattr(self.args, "preemption_exit_code", DEFAULT_EXIT_CODE)
+            logger.warning(
+                "preempted: checkpoint-%d is saved; exiting with code %d (resume with --resume_from_checkpoint auto)",
+                preemption.preempted_at,
+                code,
+            )
+            raise Preempted(code)
+        return result
+
+    def resolve_resume(self, value: str | bool | None) -> str | None:
+        """The checkpoint to resume from: ``True`` = newest complete (error if none), ``"auto"`` = same or None."""
+        if value is None or value is False:
+            return None
+        if value is True or str(value).lower() == AUTO:
+            chosen, skipped = marker.newest_complete(self.args.output_dir)
+            for line in skipped:
+                logger.warning("resume: skipping %s", line)
+            if chosen is None:
+                if value is True:
+                    raise ConfigError(
+                        f"no complete checkpoint in {self.args.output_dir!r} to resume from"
+                        + (f" ({'; '.join(skipped)})" if skipped else "")
+                    )
+                logger.warning("resume: no complete checkpoint in %s, starting from scratch", self.args.output_dir)
+                return None
+            logger.warning("resume: from %s, the newest complete checkpoint", chosen)
+            path = str(chosen)
+        else:
+            path = str(value)
+            try:
+                found = marker.verify(path, require_marker=False)
+            except marker.CheckpointError as error:
+                raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
+            if not found:
+                logger.warning(
+                    "resume: %s has no %s marker (not saved by trainer_ext); verified its files", path, marker.COMPLETE
+                )
+        self._check_compatible(Path(path))
+        return path
+
+    def _check_compatible(self, path: Path) -> None:
+        """Refuse a checkpoint of another world size or another model, with the reason."""
+        saved = (marker.read_marker(path) or {}).get("world_size")
+        if saved is not None and saved != self.args.world_size:
+            raise ConfigError(
+                f"{path.name} was saved by {saved} processes, this run has {self.args.world_size}: the data "
+                f"position and per-rank RNG states cannot be carried over. Resume with {saved} processes, or start "
+                f"a new run from its weights (--model_name_or_path {path})"
+            )
+        weights = path / "model.safetensors"
+        if self.model is None or not weights.is_file():
+            return
+        header = marker.check_safetensors(weights)
+        expected = {k: list(v.shape) for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}
+        wrong = [
+            f"{k} {v['shape']} vs {expected[k]}"
+            for k, v in header.items()
+            if k != "__metadata__" and k in expected and v["shape"] != expected[k]
+        ]
+        unknown = [k for k in header if k != "__metadata__" and k not in expected]
+        if wrong or unknown:
+            raise ConfigError(
+                f"{path.name} holds another model: "
+                + "; ".join(
+                    filter(
+                        None,
+                        [
+                            ", ".join(wrong[:3]) and f"shapes differ: {', '.join(wrong[:3])}",
+                            unknown and f"unknown tensors: {', '.join(unknown[:3])}",
+                        ],
+                    )
+                )
+            )
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process)."""
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            marker.remove_marker(folder)  # an older save of the same step is no longer complete
+        _barrier(self)
+        given = self.args.save_total_limit  # None inside train(), which keeps the limit in _rotation_limit
+        limit = given if given is not None else self._rotation_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = given
+        _flush_dir(folder)
+        _barrier(self)  # every rank's files are written
+        if self.args.should_save:
+            marker.write_marker(folder, world_size=self.args.world_size, step=self.state.global_step)
+            removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
+            for path in removed:
+                logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
+        _barrier(self)
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's loader, with workers that leave SIGTERM/SIGUSR1 to the training process."""
+        loader = super().get_train_dataloader()
+        if getattr(loader, "num_workers", 0) > 0 and not isinstance(loader.worker_init_fn, WorkerInit):
+            wrapped = WorkerInit(loader.worker_init_fn)
+            loader.worker_init_fn = wrapped
+            if isinstance(getattr(loader, "_loader_kwargs", None), dict):
+                loader._loader_kwargs["worker_init_fn"] = wrapped
+        return loader
+
+
+def _flush_dir(folder: Path) -> None:
+    """fsync the files this rank can see in ``folder`` so the marker never precedes their data."""
+    if not folder.is_dir():
+        return
+    for path in folder.rglob("*"):
+        if path.is_file():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+    marker._fsync_dir(folder)
