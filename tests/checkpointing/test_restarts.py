@@ -23,7 +23,7 @@ JOB = Path(__file__).with_name("crash_job.py")
 def _launch(out: Path, mode: str, *launch_flags: str) -> tuple[subprocess.CompletedProcess, float]:
     # torch reuses the rendezvous store across restarts: stale gloo addresses of the killed attempt make
     # the restarted ranks fail to connect now and then; a store per attempt avoids it
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the launcher sets what restarts need
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cmd = ["trainer-ext", "launch", "--num_processes", "2", "--cpu", *launch_flags, str(JOB), str(out), mode]
     start = time.monotonic()

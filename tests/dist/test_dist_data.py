@@ -402,3 +402,33 @@ def test_skip_first_batches_plain_loader() -> None:
 def test_batches_placed_on_the_device() -> None:
     loader = _prepared(CountingDataset(4), 2, device=torch.device("meta"))
     assert [batch.device.type for batch in loader] == ["meta", "meta"]
+
+
+@pytest.mark.parametrize("n", [1, 5, 23, 24, 40])
+@pytest.mark.parametrize("b", [1, 3, 8])
+@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("drop_last, even", [(False, True), (True, True), (False, False)])
+def test_sliced_resume_path_yields_the_same_batches(n: int, b: int, ws: int, drop_last: bool, even: bool) -> None:
+    """The O(1)-in-position skip path cuts the same global batches the iterating path produces."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from trainer_ext.dist.data import BatchSamplerShard
+
+    shard = BatchSamplerShard(BatchSampler(SequentialSampler(range(n)), b, drop_last), ws, 0, even_batches=even)
+    assert list(shard._sliced_batches(0)) == list(shard._global_batches())
+
+
+def test_resume_does_not_walk_through_the_skipped_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer_ext.dist.data import BatchSamplerShard
+
+    loader = _prepared(CountingDataset(100), 4, 2, 1, shuffle=True, seed=1)
+    loader.set_epoch(0)
+    full = _lists(loader)
+
+    def walk(self):
+        raise AssertionError("the skipped batches were iterated")
+
+    monkeypatch.setattr(BatchSamplerShard, "_global_batches", walk)
+    skipped = skip_first_batches(loader, 5)
+    skipped.set_epoch(0)
+    assert _lists(skipped) == full[5:]

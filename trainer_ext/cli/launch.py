@@ -196,6 +196,9 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
         env["CUDA_VISIBLE_DEVICES"] = s["gpu_ids"]
     if s["debug"]:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if int(s["max_restarts"] or 0) > 0:
+        # restarted workers otherwise reuse the agent's store and look up the dead attempt's addresses
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if s.world_size == 1:
         return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes)
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
