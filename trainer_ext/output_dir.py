@@ -88,6 +88,7 @@ def check(args: TrainJobArguments) -> bool | str | None:
     resume = resume_target(args)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {str(out)!r} is a file; pass a directory")
+    _check_writable(out)
     found = checkpoints(out) if out.is_dir() else []
     if resume is not None and args.overwrite_output_dir:
         raise ConfigError(
@@ -117,6 +118,22 @@ def check(args: TrainJobArguments) -> bool | str | None:
             "--overwrite_output_dir to start over"
         )
     return resume
+
+
+def _check_writable(out: Path) -> None:
+    """Fail now, not at the first checkpoint: probe the output dir (or the folder that will hold it)."""
+    import tempfile
+
+    probe_dir = out
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".trainer_ext_write_probe"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write to --output_dir {str(out)!r} ({error.strerror or error}); pick a writable directory"
+        ) from error
 
 
 def _difference(previous: dict[str, Any] | None, args: TrainJobArguments) -> str:

@@ -146,3 +146,51 @@ def test_preemption_saves_at_the_next_step_and_exits_75(tmp_path: Path, sig: int
     resumed = _trainer(tmp_path)
     resumed.train(resume_from_checkpoint="auto")
     _assert_equal(weights(resumed), full_run)
+
+
+def test_a_full_disk_during_a_save_loses_nothing_already_saved(tmp_path: Path, full_run: dict, monkeypatch) -> None:
+    """ENOSPC while writing checkpoint-4: checkpoint-2 stays complete and intact, auto resume goes back to it."""
+    import errno
+
+    import transformers
+
+    real = transformers.Trainer._save_optimizer_and_scheduler
+
+    def fail_on_step_4(self, output_dir):
+        if output_dir.endswith("checkpoint-4"):
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return real(self, output_dir)
+
+    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", fail_on_step_4)
+    with pytest.raises(OSError, match="No space left"):
+        _trainer(tmp_path).train()
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoint-2" / COMPLETE).exists()
+    assert not (tmp_path / "checkpoint-4" / COMPLETE).exists()
+    newest, skipped = newest_complete(str(tmp_path))
+    assert newest.name == "checkpoint-2" and any("checkpoint-4" in line for line in skipped)
+    resumed = _trainer(tmp_path)
+    resumed.train(resume_from_checkpoint="auto")
+    _assert_equal(weights(resumed), full_run)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_up_front(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`trainer-ext train` probes the output directory before training (exit 2, a clear message)."""
+    import tempfile
+
+    from trainer_ext.cli.main import main
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    real = tempfile.NamedTemporaryFile
+
+    def refuse(*args, **kwargs):
+        if str(kwargs.get("dir", "")).startswith(str(out)):
+            raise PermissionError(13, "Permission denied", str(out))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    code = main(["train", "--output_dir", str(out), "--max_steps", "1", "--max_train_samples", "64"])
+    assert code == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert not any(out.iterdir())
