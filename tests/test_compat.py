@@ -106,3 +106,10 @@ def test_the_checkpoint_internals_we_rely_on() -> None:
     assert "weights_only=True" in inspect.getsource(transformers.Trainer._load_rng_state)
     with _compat.numpy_rng_safe_globals():
         pass
+
+
+def test_the_save_renaming_hook_exists() -> None:
+    """UnwrapAndSaveCallback predicts saved names through transformers' weight-conversion reversal."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    assert callable(revert_weight_conversion)

@@ -170,3 +170,16 @@ def numpy_rng_safe_globals() -> Any:
     from transformers.trainer_pt_utils import safe_globals
 
     return safe_globals()
+
+
+def saved_weight_names(model: Any, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The state dict as ``save_pretrained`` will write it (transformers 5 renames/fuses some weights back
+    to the hub layout, e.g. Mixtral experts); None when that conversion is unavailable or fails."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    try:
+        return revert_weight_conversion(model, state)
+    except Exception:  # a conversion that cannot run on meta tensors: the caller compares names as they are
+        return None

@@ -28,6 +28,8 @@ from safetensors.torch import save_model as save_safetensors_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .. import _compat
+
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 
@@ -61,17 +63,10 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
             storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
     tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    try:  # transformers >= 5 renames/fuses some weights back to the hub layout on save (e.g. Mixtral experts)
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return shapes, tied, MODEL_FILE
     if hasattr(model, "config") and hasattr(model, "save_pretrained"):
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
-        try:
-            converted = revert_weight_conversion(model, meta)
-        except Exception:  # a conversion that cannot run on meta tensors: compare the names as they are
-            return shapes, tied, MODEL_FILE
-        if set(converted) != set(meta):
+        converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save
+        if converted is not None and set(converted) != set(meta):
             return {k: tuple(v.shape) for k, v in converted.items()}, tied, MODEL_FILE
     return shapes, tied, MODEL_FILE
 
