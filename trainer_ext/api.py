@@ -77,7 +77,8 @@ def train(
     _preflight(trainer)
     output_dir.start_run(args, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
+    if not _saves_final_model(trainer):  # the default UnwrapAndSaveCallback already wrote and checked it
+        trainer.save_model()
     metrics = {**result.metrics, "train_samples": len(tokenized["train"])}
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
@@ -93,6 +94,15 @@ def train(
         metrics.update(eval_metrics)
     trainer.save_state()
     return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def _saves_final_model(trainer: transformers.Trainer) -> bool:
+    from .callbacks import UnwrapAndSaveCallback
+
+    return any(
+        isinstance(cb, UnwrapAndSaveCallback) and cb.save_final and cb.final_dir is None
+        for cb in trainer.callback_handler.callbacks
+    )
 
 
 def _preflight(trainer: transformers.Trainer) -> None:
