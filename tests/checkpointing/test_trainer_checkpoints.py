@@ -194,3 +194,40 @@ def test_an_output_dir_that_cannot_be_written_is_refused_up_front(tmp_path: Path
     assert code == 2
     assert "cannot write" in capsys.readouterr().err
     assert not any(out.iterdir())
+
+
+_WORKERS_JOB = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {tests!r} + "/distributed"]
+from jobs import make_args
+from tiny import lm_dataset, tiny_llama
+from transformers import TrainerCallback
+from trainer_ext import Trainer
+
+class SignalTheGroup(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.killpg(os.getpgid(0), signal.SIGTERM)  # what a scheduler does: the workers get it too
+
+# one worker, one batch in flight, agreement every 4 steps: steps 2-4 need batches the worker makes after
+# the signal, so a worker that died on it would fail the run before the save
+args = make_args(
+    {out!r}, save_strategy="steps", save_steps=100, max_steps=12, dataloader_num_workers=1,
+    dataloader_prefetch_factor=1, preemption_check_steps=4,
+)
+Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(48), callbacks=[SignalTheGroup()]).train()
+"""
+
+
+@pytest.mark.slow
+def test_preemption_with_data_loader_workers_saves_before_they_go(tmp_path: Path) -> None:
+    """SIGTERM to the whole process group: the worker ignores it, the run saves checkpoint-4 and exits 75."""
+    import subprocess
+    import sys
+
+    code = _WORKERS_JOB.format(tests=str(Path(__file__).resolve().parents[1]), out=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, start_new_session=True
+    )
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert (tmp_path / "checkpoint-4" / COMPLETE).is_file()
