@@ -119,6 +119,26 @@ def test_rotation_keeps_the_limit_and_only_complete_checkpoints(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
 
 
+def test_rotation_never_deletes_checkpoints_written_without_trainer_ext(tmp_path: Path) -> None:
+    """A finished checkpoint without our marker (e.g. from plain transformers) and the best one are kept."""
+    from trainer_ext.checkpointing.marker import rotate, write_marker
+
+    for step in (100, 200, 300, 400):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+    write_marker(tmp_path / "checkpoint-400", world_size=1)
+    (tmp_path / "checkpoint-50").mkdir()  # a save that died before writing anything
+    deleted = rotate(tmp_path, 1, best=tmp_path / "checkpoint-200")
+    assert [p.name for p in deleted] == ["checkpoint-50"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        "checkpoint-100",
+        "checkpoint-200",
+        "checkpoint-300",
+        "checkpoint-400",
+    ]
+
+
 class KillSelf(TrainerCallback):
     """Send ``sig`` to this process during step ``step`` (before its end), as a scheduler would."""
 
@@ -142,6 +162,7 @@ def test_preemption_saves_at_the_next_step_and_exits_75(tmp_path: Path, sig: int
             signal.signal(caught, before if caught == signal.SIGTERM else signal.SIG_DFL)
     assert stopped.value.code == 75
     assert (tmp_path / "checkpoint-5" / COMPLETE).is_file()
+    assert not (tmp_path / "model.safetensors").exists(), "a preempted run must not look like a finished one"
     assert not (tmp_path / "checkpoint-6").exists()
     resumed = _trainer(tmp_path)
     resumed.train(resume_from_checkpoint="auto")
@@ -231,3 +252,14 @@ def test_preemption_with_data_loader_workers_saves_before_they_go(tmp_path: Path
     )
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert (tmp_path / "checkpoint-4" / COMPLETE).is_file()
+
+
+def test_signal_handlers_are_restored_when_training_fails(tmp_path: Path) -> None:
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("boom")
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(tmp_path, callbacks=[Boom()]).train()
+    assert signal.getsignal(signal.SIGTERM) == before

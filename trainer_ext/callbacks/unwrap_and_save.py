@@ -184,5 +184,8 @@ class UnwrapAndSaveCallback(TrainerCallback):
         self._check(args, folder, False, model, processing_class)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if self.save_final:
+        trainer = self._trainer() if self._trainer is not None else None
+        preempted = getattr(getattr(trainer, "_preemption", None), "preempted_at", None) is not None
+        # a preempted run is not finished (its checkpoint is what counts), and a search trial is not the model
+        if self.save_final and not preempted and not getattr(state, "is_hyper_param_search", False):
             self._check(args, str(self.final_dir or args.output_dir), True, model, processing_class)

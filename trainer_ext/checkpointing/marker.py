@@ -168,7 +168,7 @@ def newest_complete(directory: str | os.PathLike) -> tuple[Path | None, list[str
 
 
 def rotate(directory: str | os.PathLike, limit: int | None, *, best: str | os.PathLike | None = None) -> list[Path]:
-    """Keep at most ``limit`` complete checkpoints (transformers' rule); drop incomplete ones older than the newest.
+    """Keep at most ``limit`` complete checkpoints (transformers' rule); drop older saves that died early.
 
     Never deletes the newest complete checkpoint nor ``best``. Call it from one process per filesystem.
     Each deletion removes the marker first, so a half-deleted folder is never taken for a complete one.
@@ -181,7 +181,16 @@ def rotate(directory: str | os.PathLike, limit: int | None, *, best: str | os.Pa
         return []
     newest = complete[-1]
     protected = {newest.resolve()} | ({Path(best).resolve()} if best else set())
-    doomed = [p for p in found if p not in complete and _step(p) < _step(newest)]
+    # Without a marker: a save that died early (no trainer_state.json yet) is removed; a folder with one may
+    # be a finished checkpoint written without trainer_ext (plain transformers): never ours to delete.
+    doomed = [
+        p
+        for p in found
+        if p not in complete
+        and _step(p) < _step(newest)
+        and p.resolve() not in protected
+        and not (p / "trainer_state.json").exists()
+    ]
     remaining = len(complete)
     for path in complete:
         if remaining <= max(limit, len(protected)):

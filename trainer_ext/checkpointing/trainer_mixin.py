@@ -48,6 +48,8 @@ class CheckpointingMixin:
             result = super().train(resume, *args, **kwargs)
         finally:
             self.args.save_total_limit, self._rotation_limit = self._rotation_limit, None
+            if preemption.preempted_at is None:  # also when train() raised: SIGTERM must kill the process again
+                preemption.flag.restore()
         if preemption.preempted_at is not None:
             code = getattr(self.args, "preemption_exit_code", DEFAULT_EXIT_CODE)
             logger.warning(
