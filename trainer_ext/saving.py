@@ -26,6 +26,18 @@ def parse_size(size: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each storage once (safetensors refuses tied weights), contiguous, on the CPU."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen and tensor.numel() > 0:
+            continue
+        seen.add(tensor.data_ptr())
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
 def save_model(model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "10GB") -> Path:
     """transformers models: ``save_pretrained`` (config included); other modules: sharded safetensors + index."""
     out = Path(directory)
@@ -34,13 +46,7 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, max_shard_s
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out, max_shard_size=limit)
         return out
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen and tensor.numel() > 0:  # tied: stored once
-            continue
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor.detach().contiguous().cpu()
+    tensors = unique_state_dict(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpointing.marker import COMPLETE, read_marker, remove_marker, write_marker
 from ..errors import ConfigError
+from ..saving import unique_state_dict
 from .state import DistState
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
@@ -60,19 +61,6 @@ def _load(path: Path, **kwargs: Any) -> Any:
         ) from error
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # safetensors refuses shared storage (tied weights): store each tensor once, contiguous
-    seen: dict[int, str] = {}
-    out = {}
-    for name, tensor in model.state_dict().items():
-        key = tensor.data_ptr()
-        if key in seen and tensor.numel() > 0:
-            continue
-        seen[key] = name
-        out[name] = tensor.detach().contiguous().cpu()
-    return out
-
-
 def save_state(
     directory: str | os.PathLike,
     state: DistState,
@@ -92,7 +80,7 @@ def save_state(
         out.mkdir(parents=True, exist_ok=True)
         remove_marker(out)
         for i, model in enumerate(models):
-            save_file(_model_state(model), str(out / f"model_{i}.safetensors"))
+            save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
         for i, optimizer in enumerate(optimizers):
             torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
         for i, scheduler in enumerate(schedulers):

@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..errors import ConfigError
 from .accumulation import GradientState
+from .collectives import send_to_device
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -109,14 +110,11 @@ class BatchSamplerShard:
         indices = list(self.batch_sampler.sampler)
         bs, ws = self.batch_size, self.num_processes
         n_batches = len(indices) // bs if self.drop_last else -(-len(indices) // bs)
-        if ws > 1 and self.even_batches and not self.drop_last and n_batches % ws:
-            head = indices[: ws * bs]
-            pad = (-(-n_batches // ws) * ws) * bs - len(indices)
-            indices = indices + [head[k % len(head)] for k in range(pad)]
+        if ws > 1 and self.even_batches and not self.drop_last:
+            # complete the short last batch and the unfinished last round from the epoch's head
             n_batches = -(-n_batches // ws) * ws
-        elif ws > 1 and self.even_batches and not self.drop_last and len(indices) % bs:
             head = indices[: ws * bs]
-            indices = indices + [head[k % len(head)] for k in range(bs - len(indices) % bs)]
+            indices = indices + [head[k % len(head)] for k in range(n_batches * bs - len(indices))]
         for g in range(start, n_batches):
             yield indices[g * bs : (g + 1) * bs]
 
@@ -126,10 +124,11 @@ class BatchSamplerShard:
         fast = skip > 0 and type(self.batch_sampler) is BatchSampler and self.batch_size is not None
         batches = self._sliced_batches(skip * ws) if fast else self._global_batches()
         mine = skip if fast else 0
+        rounds = self._total_batches() // ws if ws > 1 and self.drop_last else None
         for i, batch in enumerate(batches, start=skip * ws if fast else 0):
             if ws > 1 and i % ws != rank:
                 continue
-            if ws > 1 and self.drop_last and i // ws >= self._total_batches() // ws:
+            if rounds is not None and i // ws >= rounds:
                 return
             if mine >= skip:
                 yield batch
@@ -181,8 +180,6 @@ class _TrackedIteration:
     def _place(self, batch: Any) -> Any:
         if self.device is None:
             return batch
-        from .collectives import send_to_device
-
         return send_to_device(batch, self.device, non_blocking=self.pin_memory)
 
 
