@@ -20,13 +20,17 @@ def captured():
     """A handler on the root and transformers loggers, root at INFO (as ``basicConfig(level=INFO)`` leaves it)."""
     stream, root, hf_root = io.StringIO(), logging.getLogger(), logging.getLogger("transformers")
     handler, old_level, old_hf = logging.StreamHandler(stream), root.level, hf_logging.get_verbosity()
+    # transformers' records reach the root logger only where it propagates (it does when CI=1 is set)
+    hf_targets = [] if hf_root.propagate else [hf_root]
     root.addHandler(handler)
-    hf_root.addHandler(handler)
+    for logger in hf_targets:
+        logger.addHandler(handler)
     root.setLevel(logging.INFO)
     hf_logging.set_verbosity_info()
     yield stream
     root.removeHandler(handler)
-    hf_root.removeHandler(handler)
+    for logger in hf_targets:
+        logger.removeHandler(handler)
     root.setLevel(old_level)
     hf_logging.set_verbosity(old_hf)
 
