@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # FSDP2 (fully_shard) on the GPUs of this machine: the same training command as scripts/cpu.sh.
 #   scripts/fsdp.sh --config configs/examples/causal_lm.yaml --bf16
-# NOT USABLE YET: FSDP support and the preset configs/fsdp/full_shard.yaml come with issue #6. Until
-# then the launcher stops because the preset is missing, and `trainer-ext train` refuses --fsdp with a
-# clear error.
+# Checkpoints are sharded (one part per process); the final model in output_dir is consolidated safetensors.
 # Set: FSDP_CONFIG (default configs/fsdp/full_shard.yaml), GPUS (default all), NPROC (default one per
 # GPU), DEVICE=cpu for CPU processes (FSDP2 runs on gloo), DRY_RUN=1 to print the settings and the
 # command.

@@ -20,8 +20,11 @@ from torch.utils.data import DataLoader
 from .dist import checkpoint
 from .dist.data import skip_first_batches as _skip_first_batches
 from .dist.engine import Engine
+from .dist.fsdp_config import FSDPSettings, parse_fsdp
 from .dist.rules import check_precision
+from .dist.sharded_checkpoint import export_consolidated
 from .dist.state import DistributedType, DistState
+from .dist.strategies.fsdp import is_sharded
 from .errors import ConfigError
 from .trackers import TRACKERS, Tracker, resolve_trackers
 
@@ -75,6 +78,7 @@ class Accelerator:
         seed: int | None = None,
         timeout: timedelta | None = None,
         split_batches: bool = False,
+        fsdp_config: str | os.PathLike | dict | FSDPSettings | None = None,
     ) -> None:
         if split_batches:
             raise ConfigError("split_batches=True is not supported; give each process its own per-device batch")
@@ -84,7 +88,18 @@ class Accelerator:
             raise ConfigError(f"gradient_accumulation_steps must be at least 1, got {steps}")
         state = DistState(cpu=cpu, timeout=timeout)
         check_precision(mode, state.device)
-        self.engine = Engine(state, mixed_precision=mode, seed=seed, even_batches=even_batches)
+        strategy, options = None, None
+        if fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
+            settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
+            strategy, options = "fsdp", {"settings": settings}
+        self.engine = Engine(
+            state,
+            mixed_precision=mode,
+            seed=seed,
+            even_batches=even_batches,
+            strategy=strategy,
+            strategy_options=options,
+        )
         self.engine.device_placement = device_placement
         self.gradient_accumulation_steps = steps
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -255,11 +270,18 @@ class Accelerator:
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB"
     ) -> None:
-        """Write the unwrapped model as safetensors (sharded above ``max_shard_size``) from the main process."""
+        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
+
+        All ranks call it; an FSDP-sharded model is gathered one tensor at a time (never whole on one rank).
+        """
         from .saving import save_model
 
         unwrapped = self.unwrap_model(model, keep_torch_compile=False)
-        if self.is_main_process:
+        if self.engine.strategy.sharded_checkpoints and is_sharded(unwrapped):
+            export_consolidated(
+                unwrapped, save_directory, max_shard_size=max_shard_size, is_main_process=self.is_main_process
+            )
+        elif self.is_main_process:
             save_model(unwrapped, save_directory, max_shard_size=max_shard_size)
         self.wait_for_everyone()
 
@@ -278,6 +300,7 @@ class Accelerator:
             "dataloaders": list(self.engine._dataloaders),
             "scaler": self.scaler,
             "custom": self._custom,
+            "sharded": self.engine.strategy.sharded_checkpoints,
         }
 
     def save_state(self, output_dir: str | os.PathLike | None = None) -> str:

@@ -18,6 +18,7 @@ from . import _compat
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.run_summary import RunSummaryCallback
 from .checkpointing import CheckpointingMixin
+from .checkpointing.sharded_mixin import ShardedCheckpointMixin
 from .dist.data import check_shardable
 from .dist.engine import Engine
 from .errors import ConfigError
@@ -51,7 +52,7 @@ def _as_list(datasets: Any) -> list[Any]:
     return list(datasets.values()) if isinstance(datasets, dict) else [datasets]
 
 
-class Trainer(CheckpointingMixin, transformers.Trainer):
+class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
@@ -115,10 +116,14 @@ class Trainer(CheckpointingMixin, transformers.Trainer):
             compile_kwargs = {"backend": args.torch_compile_backend or "inductor"}
             if args.torch_compile_mode:
                 compile_kwargs["mode"] = args.torch_compile_mode
+        strategy, options = None, _ddp_options(self)
+        if args.fsdp_plugin_args is not None:
+            strategy, options = "fsdp", {"settings": args.fsdp_plugin_args}
         self.accelerator = Engine(
             args.distributed_state,
             mixed_precision=args.mixed_precision,
-            strategy_options=_ddp_options(self),
+            strategy=strategy,
+            strategy_options=options,
             seed=args.data_seed,
             even_batches=config.even_batches,
             use_seedable_sampler=config.use_seedable_sampler,

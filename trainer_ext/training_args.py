@@ -14,7 +14,8 @@ import transformers
 from transformers.training_args import ParallelMode
 
 from . import _compat
-from .dist.rules import check_precision
+from .dist.fsdp_config import normalized_config, parse_fsdp
+from .dist.rules import check_precision, check_world
 from .dist.state import DistributedType, DistState
 from .errors import ConfigError
 
@@ -90,17 +91,36 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
             self.mixed_precision = "fp8"
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
+        if self.fsdp_plugin_args is not None:
+            check_world(self.world_size, "fsdp")
+
+    def _process_fsdp_args(self) -> dict | None:
+        """Read ``--fsdp``/``--fsdp_config`` (YAML or JSON; transformers' or accelerate's keys) without accelerate."""
+        if not _fsdp_requested(self.fsdp):
+            self.fsdp = type(self).__dataclass_fields__["fsdp"].default
+            return None
+        settings = parse_fsdp(self.fsdp, self.fsdp_config)
+        if settings.activation_checkpointing and (
+            getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)
+        ):
+            raise ConfigError(
+                "fsdp_config activation_checkpointing and --gradient_checkpointing both recompute activations; "
+                "keep only fsdp_config activation_checkpointing (it recomputes each layer without a second all-gather)"
+            )
+        self.fsdp = True
+        self.fsdp_config = normalized_config(settings)
+        return settings.to_dict()
 
     def _refuse_unsupported(self) -> None:
+        if self.deepspeed and _fsdp_requested(self.fsdp):
+            raise ConfigError(
+                "--fsdp and --deepspeed both shard the model; choose one: FSDP2 (--fsdp --fsdp_config "
+                "configs/fsdp/full_shard.yaml) or DeepSpeed ZeRO (--deepspeed configs/deepspeed/zero3.json)"
+            )
         if self.deepspeed:
             raise ConfigError(
                 "--deepspeed is not supported by this version of trainer_ext yet; train with DDP (the default "
                 "for several processes) or remove the flag"
-            )
-        if self.fsdp:
-            raise ConfigError(
-                "--fsdp is not supported by this version of trainer_ext yet; train with DDP (the default for "
-                "several processes) or remove the flag"
             )
         if self.auto_find_batch_size:
             raise ConfigError(
@@ -172,3 +192,10 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.n_gpu > 1:
             return ParallelMode.NOT_DISTRIBUTED
         return ParallelMode.NOT_PARALLEL
+
+
+def _fsdp_requested(value: object) -> bool:
+    """``--fsdp`` given: True, option words or a list; not None/False/""/"false"."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "false", "0", "no", "off")
+    return bool(value)

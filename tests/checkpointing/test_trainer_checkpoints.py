@@ -108,9 +108,15 @@ def test_another_model_or_world_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="holds another model"):
         other.resolve_resume(str(folder))
     body = json.loads((folder / COMPLETE).read_text())
-    (folder / COMPLETE).write_text(json.dumps({**body, "world_size": 4}))
-    with pytest.raises(ConfigError, match="saved by 4 processes, this run has 1"):
+    # 4 processes with 4x this run's global batch: the data position cannot carry over
+    (folder / COMPLETE).write_text(
+        json.dumps({**body, "world_size": 4, "global_batch_size": 4 * body["global_batch_size"]})
+    )
+    with pytest.raises(ConfigError, match="saved by 4 processes, this run has 1.*same global batch"):
         _trainer(tmp_path).resolve_resume(str(folder))
+    # the same global batch over 4 processes (accumulation here makes up for them): it resumes
+    (folder / COMPLETE).write_text(json.dumps({**body, "world_size": 4}))
+    assert _trainer(tmp_path).resolve_resume(str(folder)) == str(folder)
 
 
 def test_rotation_keeps_the_limit_and_only_complete_checkpoints(tmp_path: Path) -> None:

@@ -23,8 +23,10 @@ from trainer_ext import Accelerator  # noqa: E402
 
 
 def weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights (gathered on rank 0 for a sharded model)."""
     inner = accelerator.unwrap_model(model)
-    return {k: v.detach().clone().contiguous() for k, v in inner.state_dict().items()}
+    state = accelerator.get_state_dict(inner) if accelerator.distributed_type == "FSDP" else inner.state_dict()
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
 def build(accelerator: Accelerator, per_device_batch: int, n: int = 40, epochs: int = 2, lr: float = 1e-2):
@@ -45,9 +47,10 @@ def train_loop(
     stop_after: int | None = None,
     save_to: Path | None = None,
     resume_from: Path | None = None,
+    fsdp_config: dict | None = None,
 ) -> tuple[Accelerator, dict[str, torch.Tensor], dict]:
     """The accelerate-example loop: accumulate, backward, clip, step, schedule, zero_grad."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum, seed=0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum, seed=0, fsdp_config=fsdp_config)
     model, optimizer, loader, scheduler = build(accelerator, per_device_batch, epochs=epochs)
     start_epoch, seen = 0, 0
     if resume_from is not None:

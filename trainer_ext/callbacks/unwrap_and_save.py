@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_model as save_safetensors_model
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import _compat
+from ..dist import sharded_checkpoint
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -54,12 +56,14 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
         else:
             state = model.get_adapter_state_dict()
         return {k: tuple(v.shape) for k, v in state.items()}, {}, ADAPTER_FILE
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
-    storage: dict[tuple[int, int, tuple[int, ...]], set[str]] = {}
+    storage: dict[Any, set[str]] = {}
     for name, tensor in state.items():
-        if tensor.device.type != "meta":
+        if isinstance(tensor, DTensor):  # a shard: the same tensor object is what ties two names
+            storage.setdefault(id(tensor), set()).add(name)
+        elif tensor.device.type != "meta":
             storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
     tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -166,13 +170,23 @@ class UnwrapAndSaveCallback(TrainerCallback):
 
     def _check(self, args: Any, folder: str, write: bool, model: Any, processing_class: Any) -> None:
         error = None
-        if args.should_save:
+        trainer = self._trainer() if self._trainer is not None else None
+        sharded = trainer is not None and getattr(trainer, "model_is_sharded", lambda: False)()
+        if write and sharded:  # every rank takes part in gathering the shards
+            try:
+                trainer.save_model(folder)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if args.should_save and error is None:
             try:
                 model, processing_class = self._model(model, processing_class)
-                if write:
+                if write and not sharded:
                     save_unwrapped(model, folder, processing_class)
-                verify_saved_model(model, folder, processing_class)
-            except Exception as e:  # reported on every rank by _agree, so that none is left waiting
+                if not write and sharded_checkpoint.has_sharded_model(folder):
+                    sharded_checkpoint.check_model_matches(model, folder)
+                else:
+                    verify_saved_model(model, folder, processing_class)
+            except Exception as e:  # reported on every rank by _agree, so none is left waiting
                 error = f"{type(e).__name__}: {e}"
         _agree(error)
         self.verified.append(folder)

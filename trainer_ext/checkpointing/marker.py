@@ -49,10 +49,10 @@ def _files(directory: Path) -> dict[str, int]:
     }
 
 
-def write_marker(directory: str | os.PathLike, *, world_size: int, step: int | None = None) -> Path:
-    """Commit ``directory``: write ``COMPLETE`` (file sizes, world size) through a temporary file, fsynced."""
+def write_marker(directory: str | os.PathLike, *, world_size: int, step: int | None = None, **facts: Any) -> Path:
+    """Commit ``directory``: write ``COMPLETE`` (file sizes, world size, ``facts``) through a temporary file, fsynced."""
     out = Path(directory)
-    body = {"trainer_ext_checkpoint": 1, "world_size": world_size, "step": step, "files": _files(out)}
+    body = {"trainer_ext_checkpoint": 1, "world_size": world_size, "step": step, **facts, "files": _files(out)}
     tmp = out / f".{COMPLETE}.tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
         json.dump(body, handle, indent=1)

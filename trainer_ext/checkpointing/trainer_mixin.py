@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..dist import sharded_checkpoint
 from ..errors import ConfigError
 from . import marker
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
@@ -91,20 +92,48 @@ class CheckpointingMixin:
         self._check_compatible(Path(path))
         return path
 
+    def _batch_facts(self) -> dict[str, int]:
+        """What fixes the data position of a step: the per-rank micro-batch and the global batch."""
+        args = self.args
+        micro = args.per_device_train_batch_size
+        return {
+            "micro_batch_size": micro,
+            "global_batch_size": micro * args.gradient_accumulation_steps * args.world_size,
+        }
+
     def _check_compatible(self, path: Path) -> None:
-        """Refuse a checkpoint of another world size or another model, with the reason."""
-        saved = (marker.read_marker(path) or {}).get("world_size")
+        """Refuse a checkpoint of another model, or of another world size unless the batches line up."""
+        facts = marker.read_marker(path) or {}
+        saved = facts.get("world_size")
         if saved is not None and saved != self.args.world_size:
-            raise ConfigError(
-                f"{path.name} was saved by {saved} processes, this run has {self.args.world_size}: the data "
-                f"position and per-rank RNG states cannot be carried over. Resume with {saved} processes, or start "
-                f"a new run from its weights (--model_name_or_path {path})"
+            now = self._batch_facts()
+            if any(facts.get(k) != v for k, v in now.items()):
+                raise ConfigError(
+                    f"{path.name} was saved by {saved} processes, this run has {self.args.world_size}. A run moves to "
+                    "another number of processes only with the same per-device batch and the same global batch "
+                    f"(per_device_train_batch_size x gradient_accumulation_steps x processes): saved "
+                    f"{facts.get('micro_batch_size', '?')} / {facts.get('global_batch_size', '?')}, now "
+                    f"{now['micro_batch_size']} / {now['global_batch_size']}. Adjust --gradient_accumulation_steps, "
+                    f"or start a new run from its weights (--model_name_or_path {path})"
+                )
+            logger.warning(
+                "resume: %s was saved by %d processes, this run has %d: same batches, so the data position carries "
+                "over; the per-rank random streams (dropout) start afresh",
+                path.name,
+                saved,
+                self.args.world_size,
             )
+        if self.model is None:
+            return
+        expected_model = self.accelerator.unwrap_model(self.model)
+        if sharded_checkpoint.has_sharded_model(path):
+            sharded_checkpoint.check_model_matches(expected_model, path)
+            return
         weights = path / "model.safetensors"
-        if self.model is None or not weights.is_file():
+        if not weights.is_file():
             return
         header = marker.check_safetensors(weights)
-        expected = {k: list(v.shape) for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}
+        expected = {k: list(v.shape) for k, v in expected_model.state_dict().items()}
         wrong = [
             f"{k} {v['shape']} vs {expected[k]}"
             for k, v in header.items()
@@ -141,7 +170,9 @@ class CheckpointingMixin:
         _flush_dir(folder)
         _barrier(self)  # every rank's files are written
         if self.args.should_save:
-            marker.write_marker(folder, world_size=self.args.world_size, step=self.state.global_step)
+            marker.write_marker(
+                folder, world_size=self.args.world_size, step=self.state.global_step, **self._batch_facts()
+            )
             removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
             for path in removed:
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)

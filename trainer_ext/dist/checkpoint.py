@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpointing.marker import COMPLETE, read_marker, remove_marker, write_marker
 from ..errors import ConfigError
 from ..saving import unique_state_dict
+from . import sharded_checkpoint
 from .state import DistState
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
@@ -72,17 +73,30 @@ def save_state(
     scaler: Any = None,
     custom: list[Any] | None = None,
     extra: dict[str, Any] | None = None,
+    sharded: bool = False,
 ) -> Path:
-    """Write a checkpoint of everything passed (models already unwrapped) into ``directory``."""
+    """Write a checkpoint of everything passed (models already unwrapped) into ``directory``.
+
+    ``sharded``: models and optimizers are FSDP-sharded; every rank writes its shards (``model_<i>/``,
+    ``optimizer_<i>/``, ``torch.distributed.checkpoint``) and nothing is gathered.
+    """
     out = Path(directory)
     rank = state.process_index
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         remove_marker(out)
+    if sharded:
+        state.wait_for_everyone()
         for i, model in enumerate(models):
-            save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+            sharded_checkpoint.save_model(model, out / f"model_{i}")
         for i, optimizer in enumerate(optimizers):
-            torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
+            sharded_checkpoint.save_optimizer(_owner(optimizer, models), optimizer, out / f"optimizer_{i}")
+    if state.is_main_process:
+        if not sharded:
+            for i, model in enumerate(models):
+                save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+            for i, optimizer in enumerate(optimizers):
+                torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
         for i, scheduler in enumerate(schedulers):
             torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
         for i, obj in enumerate(custom or []):
@@ -113,6 +127,7 @@ def load_state(
     dataloaders: list[Any],
     scaler: Any = None,
     custom: list[Any] | None = None,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
     src = Path(directory)
@@ -127,6 +142,12 @@ def load_state(
             f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
             f"with {saved_ranks} processes"
         )
+    if sharded or sharded_checkpoint.has_sharded_model(src / "model_0"):
+        for i, model in enumerate(models):
+            sharded_checkpoint.load_model(model, src / f"model_{i}")
+        for i, optimizer in enumerate(optimizers):
+            sharded_checkpoint.load_optimizer(_owner(optimizer, models), optimizer, src / f"optimizer_{i}")
+        models, optimizers = [], []  # loaded
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(load_file(str(src / f"model_{i}.safetensors")), strict=False)
         tied = {name for name in missing if _is_tied(model, name)}
@@ -150,6 +171,15 @@ def load_state(
         if position is not None and hasattr(dl, "load_state_dict"):
             dl.load_state_dict(position)
     return json.loads((src / "state.json").read_text())
+
+
+def _owner(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module:
+    """The model whose parameters ``optimizer`` updates (its shards are keyed by that model's names)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise ConfigError("an optimizer updates none of the prepared models' parameters; prepare its model too")
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import collectives
+from . import collectives, sharded_checkpoint
 from .accumulation import GradientState
 from .data import shard_dataloader
 from .optimizer import EngineOptimizer
@@ -44,10 +44,15 @@ class Engine:
     ) -> None:
         self.state = state
         if not isinstance(strategy, Strategy):
-            strategy = resolve_strategy(state, strategy, **(strategy_options or {}))
+            options = {"mixed_precision": mixed_precision, **(strategy_options or {})}
+            strategy = resolve_strategy(state, strategy, **options)
         self.strategy = strategy
         self.precision = Precision(
-            mixed_precision, state.device, uses_scaler=not strategy.owns_loss_scaling, **(scaler_kwargs or {})
+            mixed_precision,
+            state.device,
+            uses_scaler=not strategy.owns_loss_scaling,
+            scaler_factory=strategy.make_grad_scaler,
+            **(scaler_kwargs or {}),
         )
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
         self.seed = seed
@@ -119,18 +124,21 @@ class Engine:
 
     # -- prepare --------------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare each object by kind; same arity back (one object → bare, several → tuple)."""
+        """Prepare each object by kind; same arity back (one object → bare, several → tuple).
+
+        Models go first whatever the order given: sharding replaces their parameters, and the optimizers
+        prepared with them are pointed at the replacements.
+        """
         placement = device_placement or [self.device_placement] * len(objects)
-        out = []
-        for obj, place in zip(objects, placement, strict=True):
+        out: list[Any] = list(objects)
+        for i, (obj, place) in enumerate(zip(objects, placement, strict=True)):
             if isinstance(obj, torch.nn.Module):
-                out.append(self.prepare_model(obj, device_placement=place))
-            elif isinstance(obj, torch.optim.Optimizer):
-                out.append(self.prepare_optimizer(obj))
+                out[i] = self.prepare_model(obj, device_placement=place)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.optim.Optimizer):
+                out[i] = self.prepare_optimizer(obj)
             elif isinstance(obj, DataLoader):
-                out.append(self.prepare_dataloader(obj))
-            else:
-                out.append(obj)
+                out[i] = self.prepare_dataloader(obj)
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(
@@ -157,6 +165,7 @@ class Engine:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> EngineOptimizer:
         if isinstance(optimizer, EngineOptimizer):
             return optimizer
+        self.strategy.adopt_optimizer(optimizer)
         wrapped = EngineOptimizer(optimizer, self)
         self._optimizers.append(wrapped)
         return wrapped
@@ -216,8 +225,11 @@ class Engine:
         return self.strategy.unwrap(model)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict; for a sharded model a collective that leaves it on the main process only."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
+        if self.strategy.sharded_checkpoints:
+            return sharded_checkpoint.full_state_dict(model)
         return model.state_dict()
 
     # -- collectives ----------------------------------------------------------------------------
@@ -247,6 +259,7 @@ class Engine:
         self._models.clear()
         self._optimizers.clear()
         self._dataloaders.clear()
+        self.strategy.forget()
         if held:  # a full collection costs ~0.2 s on a large heap: only pay it when something was released
             gc.collect()
             if torch.cuda.is_available():

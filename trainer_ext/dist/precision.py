@@ -45,6 +45,7 @@ class Precision:
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
         uses_scaler: bool = True,
+        scaler_factory: Any = None,
     ) -> None:
         if mode not in MIXED_PRECISION:
             raise ValueError(f"mixed precision must be one of {MIXED_PRECISION}, not {mode!r}")
@@ -53,7 +54,8 @@ class Precision:
         self.dtype = _DTYPES.get(mode)
         self.scaler: torch.amp.GradScaler | None = None
         if mode == "fp16" and uses_scaler and device.type != "cpu":
-            self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
+            factory = scaler_factory or torch.amp.GradScaler
+            self.scaler = factory(device.type, init_scale=init_scale, growth_interval=growth_interval)
 
     @property
     def enabled(self) -> bool:

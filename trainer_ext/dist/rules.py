@@ -51,3 +51,9 @@ def check_world(world_size: int, strategy: str) -> None:
     """A single-device strategy cannot run on several processes."""
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"strategy 'single' cannot run on {world_size} processes; use 'ddp' or launch one process")
+    if strategy == "fsdp" and world_size < 2:
+        raise ConfigError(
+            "FSDP shards the model over processes and this job has one: launch at least 2 "
+            "(trainer-ext launch --num_processes 2 ...), or drop --fsdp to train on one process "
+            "(a sharded checkpoint still resumes there)"
+        )

@@ -9,11 +9,13 @@ from ..rules import check_world
 from ..state import DistState
 from .base import Strategy
 from .ddp import DDPStrategy
+from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
 }
 
 
@@ -27,9 +29,11 @@ def resolve_strategy(state: DistState, name: str | None = None, **options: Any) 
         )
     check_world(state.num_processes, name)
     cls = STRATEGIES[name]
-    if cls is not DDPStrategy:
+    if cls is SingleDeviceStrategy:
         options = {}
+    elif cls is DDPStrategy:
+        options = {k: v for k, v in options.items() if k in DDPStrategy.option_names}
     return cls(state, **options)
 
 
-__all__ = ["STRATEGIES", "DDPStrategy", "SingleDeviceStrategy", "Strategy", "resolve_strategy"]
+__all__ = ["STRATEGIES", "DDPStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "resolve_strategy"]

@@ -20,6 +20,7 @@ class Strategy:
     name = "single"
     owns_loss_scaling = False  # the backend scales fp16 losses itself (DeepSpeed)
     owns_accumulation = False  # the backend decides accumulation boundaries itself (DeepSpeed)
+    sharded_checkpoints = False  # no rank holds the whole model: checkpoints are written by every rank (FSDP)
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state
@@ -32,6 +33,16 @@ class Strategy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap a model already on its device for training; the base strategy returns it as is."""
         return model
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point an optimizer built before :meth:`wrap` at the parameters the wrapper trains (no-op here)."""
+
+    def forget(self) -> None:
+        """Drop what was remembered about prepared models (the engine's ``free_memory``)."""
+
+    def make_grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
+        """The fp16 loss scaler for this backend."""
+        return torch.amp.GradScaler(device_type, **kwargs)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Strip this strategy's wrapper (and DataParallel) to reach the user's module."""

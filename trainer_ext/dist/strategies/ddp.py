@@ -19,6 +19,13 @@ class DDPStrategy(Strategy):
     """
 
     name = "ddp"
+    option_names = (
+        "find_unused_parameters",
+        "bucket_cap_mb",
+        "broadcast_buffers",
+        "static_graph",
+        "gradient_as_bucket_view",
+    )
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel):

@@ -1,0 +1,171 @@
+"""FSDP2 jobs on real gloo ranks (torchrun), compared by tests/distributed/test_fsdp.py.
+
+``python fsdp_jobs.py OUT two`` (2 ranks): DDP and several FSDP2 set-ups on the same data, per-rank parameter
+storage, an interrupted + resumed FSDP run, the consolidated export. ``python fsdp_jobs.py OUT from_one CKPT``
+(2 ranks): resume under FSDP from a checkpoint written by one process without FSDP; ``loop`` (2 ranks):
+hand-written trainer_ext.Accelerator loops. Rank 0 writes the full weights
+(gathered) and ``results.json`` to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from jobs import StopAt, make_args  # noqa: E402
+from tiny import lm_dataset, tiny_llama  # noqa: E402
+
+from trainer_ext import Trainer  # noqa: E402
+from trainer_ext.dist.sharded_checkpoint import full_state_dict  # noqa: E402
+
+STEPS_DATA = 32  # samples: 8 optimizer steps of a global batch of 4 per epoch, 2 epochs
+STOP = 6
+FSDP = {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+VARIANTS = {
+    "full_shard": FSDP,
+    "shard_grad_op": {"fsdp": "shard_grad_op", "fsdp_config": {}},
+    "size_wrap_checkpointed": {
+        "fsdp": True,
+        "fsdp_config": {
+            "auto_wrap_policy": "SIZE_BASED_WRAP",
+            "min_num_params": 2000,
+            "activation_checkpointing": True,
+        },
+    },
+    "cpu_offload": {"fsdp": "full_shard offload", "fsdp_config": {}},
+    "hybrid_2x1": {"fsdp": True, "fsdp_config": {"sharding_strategy": "HYBRID_SHARD", "replicate_size": 2}},
+}
+
+
+def train(out: Path, extra: dict, **overrides) -> tuple[Trainer, list[float]]:
+    args = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_train_epochs": 2, **overrides}
+    trainer = Trainer(
+        model=tiny_llama(0), args=make_args(out, **extra, **args), train_dataset=lm_dataset(STEPS_DATA, seed=7)
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, losses
+
+
+def gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Full weights on rank 0 (a collective for sharded models)."""
+    return full_state_dict(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+
+
+def storage(trainer: Trainer) -> dict[str, int]:
+    """Bytes of parameters this rank holds (its shards) against the full model's."""
+    model = trainer.model_wrapped
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"local": local, "full": full}
+
+
+def two(out: Path) -> None:
+    result: dict = {"losses": {}, "grad_norms": {}}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    ddp, result["losses"]["ddp"] = train(out / "ddp", {}, gradient_accumulation_steps=2, per_device_train_batch_size=1)
+    tensors["ddp"] = gathered(ddp)
+    del ddp
+    for name, extra in VARIANTS.items():
+        trainer, result["losses"][name] = train(
+            out / name, extra, gradient_accumulation_steps=2, per_device_train_batch_size=1
+        )
+        tensors[name] = gathered(trainer)
+        result["grad_norms"][name] = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+        if name == "full_shard":
+            result["storage"] = storage(trainer)
+            stats = trainer_export(trainer, out / "export")
+            result["export"] = stats
+            probe = torch.tensor([[5, 6, 7, 8, 9, 10]])
+            with torch.no_grad():
+                result["logits"] = trainer.model_wrapped(input_ids=probe).logits.tolist()
+        del trainer
+
+    bf16, result["losses"]["bf16"] = train(out / "bf16", FSDP, bf16=True)  # bf16 parameters in forward/backward
+    result["bf16_param_dtype"] = str(bf16.model_wrapped.model.layers[0].mlp.down_proj.weight.dtype)
+    del bf16
+
+    # interrupted at STOP (sharded checkpoint) then resumed on the same 2 ranks, against uninterrupted
+    save = dict(save_strategy="steps", save_steps=STOP)
+    full, _ = train(out / "resume_full", FSDP, **save)
+    tensors["resume_full"] = gathered(full)
+    part = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out / "resume_part", **FSDP, **save, per_device_train_batch_size=2, num_train_epochs=2),
+        train_dataset=lm_dataset(STEPS_DATA, seed=7),
+        callbacks=[StopAt(STOP)],
+    )
+    part.train()
+    again = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out / "resume_part", **FSDP, **save, per_device_train_batch_size=2, num_train_epochs=2),
+        train_dataset=lm_dataset(STEPS_DATA, seed=7),
+    )
+    again.train(resume_from_checkpoint=str(out / "resume_part" / f"checkpoint-{STOP}"))
+    tensors["resumed"] = gathered(again)
+    result["resume_steps"] = [full.state.global_step, again.state.global_step]
+    if dist.get_rank() == 0:
+        for name, values in tensors.items():
+            save_file({k: v.contiguous() for k, v in values.items()}, str(out / f"{name}.safetensors"))
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+
+
+def trainer_export(trainer: Trainer, folder: Path) -> dict:
+    trainer.export_max_shard_size = 40_000  # bytes: several files, so no file holds the whole model
+    trainer.save_model(str(folder))
+    return {"files": sorted(p.name for p in folder.glob("*.safetensors"))} if dist.get_rank() == 0 else {}
+
+
+def loop(out: Path) -> None:
+    """trainer_ext.Accelerator hand-written loops: DDP vs FSDP, FSDP save_state/load_state, FSDP save_model."""
+    from loops import train_loop
+
+    config = FSDP["fsdp_config"]
+    _, ddp, _ = train_loop(per_device_batch=1, grad_accum=2)
+    accelerator, fsdp, _ = train_loop(per_device_batch=1, grad_accum=2, fsdp_config=config)
+    accelerator.save_model(accelerator.engine._models[0], out / "loop_export", max_shard_size=40_000)
+    _, part, _ = train_loop(
+        per_device_batch=1, grad_accum=2, stop_after=8, save_to=out / "loop_state", fsdp_config=config
+    )
+    _, resumed, _ = train_loop(per_device_batch=1, grad_accum=2, resume_from=out / "loop_state", fsdp_config=config)
+    if dist.get_rank() == 0:
+        for name, values in (("loop_ddp", ddp), ("loop_fsdp", fsdp), ("loop_resumed", resumed)):
+            save_file(values, str(out / f"{name}.safetensors"))
+        kind = accelerator.distributed_type
+        (out / "loop.json").write_text(json.dumps({"distributed_type": str(getattr(kind, "value", kind))}))
+
+
+def from_one(out: Path, checkpoint: str) -> None:
+    """Resume under FSDP (2 ranks x batch 2) from a 1-process checkpoint (batch 2 x accumulation 2)."""
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(checkpoint.rsplit("/", 1)[0], **FSDP, per_device_train_batch_size=2, num_train_epochs=2),
+        train_dataset=lm_dataset(STEPS_DATA, seed=7),
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+    values = gathered(trainer)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in values.items()}, str(out / "from_one.safetensors"))
+        (out / "from_one.json").write_text(json.dumps({"steps": trainer.state.global_step}))
+
+
+if __name__ == "__main__":
+    target, mode = Path(sys.argv[1]), sys.argv[2]
+    if mode == "two":
+        two(target)
+    elif mode == "loop":
+        loop(target)
+    else:
+        from_one(target, sys.argv[3])
+    dist.barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("done")

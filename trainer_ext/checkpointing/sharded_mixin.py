@@ -1,0 +1,97 @@
+"""Trainer overrides for sharded models (FSDP2): sharded checkpoints, resume on any world size, consolidated export.
+
+transformers only writes sharded checkpoints through accelerate's FSDP plugin. Here, when the trained model is
+sharded, ``checkpoint-N`` holds ``model_sharded/`` and ``optimizer_sharded/`` (``torch.distributed.checkpoint``,
+every rank writing its shards) next to the scheduler, RNG and trainer state; ``save_model()`` writes the
+consolidated safetensors. Loading goes by what a checkpoint holds, not by the current flags: a sharded checkpoint
+resumes on N ranks with FSDP or on one process without it, and an unsharded one resumes under FSDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from ..dist import sharded_checkpoint
+from ..dist.strategies.fsdp import is_sharded
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedCheckpointMixin:
+    """Mix in before ``transformers.Trainer``; every method falls back to transformers' own for unsharded models."""
+
+    export_max_shard_size: str | int = "5GB"  # largest safetensors file of the consolidated export
+
+    def _trained_model(self) -> torch.nn.Module:
+        return self.model_wrapped if self.model_wrapped is not None else self.model
+
+    def model_is_sharded(self) -> bool:
+        """True once the model has been sharded for training (FSDP)."""
+        model = self._trained_model()
+        return model is not None and is_sharded(model)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors."""
+        if not self.model_is_sharded():
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self._trained_model()
+        if _internal_call:
+            sharded_checkpoint.save_model(model, output_dir)
+            if self.args.should_save and hasattr(model, "config"):
+                model.config.save_pretrained(output_dir)
+        else:
+            stats = sharded_checkpoint.export_consolidated(
+                model, output_dir, is_main_process=self.args.should_save, max_shard_size=self._export_shard_size()
+            )
+            logger.info("saved the consolidated model to %s (%d file(s))", output_dir, stats["files"])
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _export_shard_size(self) -> str | int:
+        return getattr(self, "export_max_shard_size", "5GB")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.model_is_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        sharded_checkpoint.save_optimizer(self._trained_model(), self.optimizer, output_dir)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return None
+        full = Path(checkpoint) / OPTIMIZER_NAME
+        if sharded_checkpoint.has_sharded_optimizer(checkpoint):
+            sharded_checkpoint.load_optimizer(self._trained_model(), self.optimizer, checkpoint)
+        elif self.model_is_sharded() and full.is_file():  # an unsharded checkpoint resumed under FSDP
+            saved = torch.load(full, map_location="cpu", weights_only=True)
+            sharded_checkpoint.load_full_optimizer(self._trained_model(), self.optimizer, saved)
+        else:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
+        if scheduler.is_file() and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not sharded_checkpoint.has_sharded_model(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        sharded_checkpoint.load_model(model if model is not None else self.model, resume_from_checkpoint)
+        return None
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not sharded_checkpoint.has_sharded_model(best):
+            return super()._load_best_model()
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        sharded_checkpoint.load_model(self._trained_model(), best)
+        return None

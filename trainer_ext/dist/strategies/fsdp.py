@@ -1,0 +1,225 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state sharded over ranks.
+
+``fully_shard`` turns the model's parameters into DTensors in place (same module object, new Parameter objects),
+so an optimizer built before wrapping is re-pointed at the sharded parameters (:meth:`adopt_optimizer`).
+Gradient accumulation uses FSDP2's own switch (``set_requires_gradient_sync``), and clipping computes the
+norm over the shards of every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ...errors import ConfigError
+from ..fsdp_config import FSDPSettings
+from ..state import DistributedType, DistState
+from .base import Strategy
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model`` (or a submodule) is an FSDP2 module."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def layer_classes(model: torch.nn.Module) -> list[str]:
+    """Class names of the model's submodules that hold parameters (what a wrap class may name)."""
+    names = {type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())}
+    return sorted(names)
+
+
+def checkpoint_forward(module: torch.nn.Module) -> None:
+    """Recompute ``module``'s activations in backward (non-reentrant checkpointing of its own forward).
+
+    Patched on the instance, inside ``__call__``: FSDP's hooks on the module run once, not again at recompute.
+    """
+    if getattr(module, "_trainer_ext_checkpointed", False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._trainer_ext_checkpointed = True
+
+
+class FSDPStrategy(Strategy):
+    """Shards each wrap unit (decoder layers by default), then the root, with ``fully_shard``."""
+
+    name = "fsdp"
+    sharded_checkpoints = True
+
+    def __init__(
+        self, state: DistState, settings: FSDPSettings | dict | None = None, mixed_precision: str = "no", **_: Any
+    ) -> None:
+        super().__init__(state)
+        if not isinstance(settings, FSDPSettings):
+            settings = FSDPSettings.from_dict(settings or {})
+        self.settings = settings
+        self.mixed_precision = mixed_precision
+        self._sharded: dict[int, torch.nn.Parameter] = {}  # id(parameter before wrapping) -> its DTensor successor
+        self._mesh = None
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP
+
+    # -- wrapping -------------------------------------------------------------------------------
+    def mesh(self) -> Any:
+        """The 1-D mesh of all ranks, or the 2-D (replicate, shard) mesh of hybrid sharding."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world, device = self.state.num_processes, self.state.device.type
+            if not self.settings.hybrid_shard:
+                self._mesh = init_device_mesh(device, (world,))
+            else:
+                replicate = self.settings.replicate_size or self.state.topology.num_nodes
+                if world % replicate:
+                    raise ConfigError(
+                        f"fsdp_config: replicate_size {replicate} does not divide the {world} processes; choose a "
+                        "divisor (hybrid sharding = replicate_size groups of world/replicate_size shards)"
+                    )
+                self._mesh = init_device_mesh(
+                    device, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+                )
+        return self._mesh
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """Parameters in the compute dtype of ``--bf16``/``--fp16`` during forward/backward, gradients reduced in fp32."""
+        param = _DTYPES.get(self.settings.param_dtype or "") or _MODE_DTYPES.get(self.mixed_precision)
+        reduce = _DTYPES.get(self.settings.reduce_dtype or "") or (torch.float32 if param is not None else None)
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+    def wrap_targets(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The submodules sharded on their own (children before parents), by layer class or by size."""
+        policy = self.settings.auto_wrap_policy
+        if policy == "none":
+            return []
+        if policy == "size":
+            return _size_targets(model, self.settings.min_num_params)
+        names = self.settings.transformer_layer_cls_to_wrap
+        if names is None:
+            names = tuple(getattr(model, "_no_split_modules", None) or ())
+            if not names:
+                logger.warning(
+                    "FSDP: %s names no _no_split_modules and fsdp_config sets no transformer_layer_cls_to_wrap: "
+                    "the whole model is one unit (all parameters gathered at once)",
+                    type(model).__name__,
+                )
+                return []
+        present = layer_classes(model)
+        unknown = [n for n in names if n not in present]
+        if unknown:
+            raise ConfigError(
+                f"fsdp_config: transformer_layer_cls_to_wrap names {', '.join(unknown)}, which "
+                f"{type(model).__name__} does not contain; its layer classes are: {', '.join(present)}"
+            )
+        wanted = set(names)
+        return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wanted]
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, FSDPModule) or not any(p.requires_grad for p in model.parameters()):
+            return model
+        before = dict(model.named_parameters())
+        targets = self.wrap_targets(model)
+        if self.settings.activation_checkpointing:
+            if not targets:
+                raise ConfigError(
+                    "fsdp_config: activation_checkpointing needs wrap units (layers) to recompute; set "
+                    "transformer_layer_cls_to_wrap or auto_wrap_policy SIZE_BASED_WRAP"
+                )
+            for module in targets:
+                checkpoint_forward(module)
+        kwargs: dict[str, Any] = {
+            "mesh": self.mesh(),
+            "reshard_after_forward": self.settings.reshard_after_forward,
+            "mp_policy": self.mp_policy(),
+        }
+        if self.settings.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        for module in targets:
+            fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        after = dict(model.named_parameters())
+        self._sharded.update({id(p): after[name] for name, p in before.items() if name in after})
+        return model
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point an optimizer built on the unsharded parameters at their sharded successors."""
+        if not self._sharded:
+            return
+        replaced = any(id(p) in self._sharded for g in optimizer.param_groups for p in g["params"])
+        if replaced and any(optimizer.state.values()):
+            raise ConfigError(
+                "FSDP: the optimizer already holds state for unsharded parameters; prepare the model and the "
+                "optimizer before the first step (load optimizer state after prepare)"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._sharded.get(id(p), p) for p in group["params"]]
+
+    def forget(self) -> None:
+        self._sharded.clear()
+
+    # -- the step -------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, FSDPModule):
+            return _gradient_sync_off(model)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip by the norm over every rank's shards; returns that norm as a plain tensor (the same on all ranks)."""
+        params = [p for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def make_grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
+        """fp16 on CUDA: a scaler that agrees across ranks on inf/NaN found in the gradient shards."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type, **kwargs)
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _size_targets(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
+    """Post-order: a submodule holding at least ``min_num_params`` parameters not yet in a unit becomes one."""
+    covered: set[int] = set()
+    targets = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        own = [p for p in module.parameters() if id(p) not in covered]
+        if own and sum(p.numel() for p in own) >= max(1, min_num_params):
+            targets.append(module)
+            covered.update(id(p) for p in own)
+
+    visit(model)
+    return targets
