@@ -46,6 +46,25 @@ def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
     }
 
 
+class SteppedByEngine:
+    """A scheduler the DeepSpeed engine steps at each boundary; the Trainer's ``step()`` does nothing."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
 def _as_list(datasets: Any) -> list[Any]:
     if datasets is None:
         return []
@@ -94,6 +113,20 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
             logs["skipped_optimizer_steps"] = self.accelerator.skipped_steps
         super().log(logs, *args, **kwargs)
 
+    def _prepare_for_training(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
+        """Tell the engine the schedule length first: DeepSpeed's ``"auto"`` scheduler values need it."""
+        self.accelerator.training_steps = (max_steps, self.args.get_warmup_steps(max_steps))
+        return super()._prepare_for_training(max_steps, *args, **kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """A scheduler from the DeepSpeed config is stepped by DeepSpeed: the Trainer gets a view that does not step."""
+        engine = getattr(self.accelerator.strategy, "engine", None)
+        if self.lr_scheduler is None and getattr(engine, "lr_scheduler", None) is not None:
+            self.lr_scheduler = SteppedByEngine(engine.lr_scheduler)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
     def create_accelerator_and_postprocess(self) -> None:
         """Build the engine in place of ``accelerate.Accelerator`` and set what ``__init__`` reads next."""
         args = self.args
@@ -119,6 +152,8 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
         strategy, options = None, _ddp_options(self)
         if args.fsdp_plugin_args is not None:
             strategy, options = "fsdp", {"settings": args.fsdp_plugin_args}
+        elif getattr(args, "hf_deepspeed_config", None) is not None:
+            strategy, options = "deepspeed", {"config": args.hf_deepspeed_config}
         self.accelerator = Engine(
             args.distributed_state,
             mixed_precision=args.mixed_precision,

@@ -6,6 +6,8 @@ started by our :class:`~trainer_ext.dist.DistState` (gloo on CPU, NCCL on CUDA, 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -14,9 +16,11 @@ import transformers
 from transformers.training_args import ParallelMode
 
 from . import _compat
+from .dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, register_with_transformers
 from .dist.fsdp_config import normalized_config, parse_fsdp
 from .dist.rules import check_precision, check_world
 from .dist.state import DistributedType, DistState
+from .dist.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
 
 _compat.install()
@@ -80,12 +84,15 @@ class TrainingArguments(transformers.TrainingArguments):
         ):
             # transformers refuses bf16 without a bf16 GPU unless use_cpu is set; without CUDA we run on CPU anyway.
             self.use_cpu = True
+        deepspeed, self.deepspeed = self.deepspeed, None  # transformers' own DeepSpeed set-up imports accelerate
         try:
             super().__post_init__()
         except ConfigError:
             raise
         except ValueError as error:
             raise ConfigError(str(error)) from error
+        finally:
+            self.deepspeed = deepspeed
         if self.fp8:
             if self.fp16 or self.bf16:
                 raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
@@ -93,6 +100,22 @@ class TrainingArguments(transformers.TrainingArguments):
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
         if self.fsdp_plugin_args is not None:
             check_world(self.world_size, "fsdp")
+        self.hf_deepspeed_config = self._deepspeed_config() if self.deepspeed else None
+
+    def _deepspeed_config(self) -> DeepSpeedConfig:
+        """Read, check and resolve the ``"auto"`` values of ``--deepspeed``; register it with transformers.
+
+        Registering makes ``is_deepspeed_zero3_enabled()`` true under ZeRO-3, so ``from_pretrained`` called
+        after these arguments were built creates the model partitioned. Keep the arguments alive meanwhile.
+        """
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its device once
+        config = DeepSpeedConfig(self.deepspeed).resolve(DeepSpeedInputs.from_training_args(self, self.world_size))
+        if config.is_zero3():  # zero.Init in from_pretrained reads the world from DeepSpeed's communication
+            DeepSpeedStrategy(self.distributed_state, config).register_with_transformers()
+        else:
+            register_with_transformers(config)
+        return config
 
     def _process_fsdp_args(self) -> dict | None:
         """Read ``--fsdp``/``--fsdp_config`` (YAML or JSON; transformers' or accelerate's keys) without accelerate."""
@@ -117,10 +140,10 @@ class TrainingArguments(transformers.TrainingArguments):
                 "--fsdp and --deepspeed both shard the model; choose one: FSDP2 (--fsdp --fsdp_config "
                 "configs/fsdp/full_shard.yaml) or DeepSpeed ZeRO (--deepspeed configs/deepspeed/zero3.json)"
             )
-        if self.deepspeed:
+        if self.deepspeed and importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
-                "--deepspeed is not supported by this version of trainer_ext yet; train with DDP (the default "
-                "for several processes) or remove the flag"
+                "--deepspeed needs the deepspeed package: pip install 'trainer_ext[deepspeed]' (on a machine "
+                "without CUDA: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]')"
             )
         if self.auto_find_batch_size:
             raise ConfigError(

@@ -61,14 +61,14 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
         state.pop(key, None)
     storage: dict[Any, set[str]] = {}
     for name, tensor in state.items():
-        if isinstance(tensor, DTensor):  # a shard: the same tensor object is what ties two names
+        if isinstance(tensor, DTensor) or hasattr(tensor, "ds_shape"):  # a shard: the same object ties two names
             storage.setdefault(id(tensor), set()).add(name)
         elif tensor.device.type != "meta":
             storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
     tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in state.items()}  # ZeRO-3: the full shape
     if hasattr(model, "config") and hasattr(model, "save_pretrained"):
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+        meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
         converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save
         if converted is not None and set(converted) != set(meta):
             return {k: tuple(v.shape) for k, v in converted.items()}, tied, MODEL_FILE
@@ -184,6 +184,8 @@ class UnwrapAndSaveCallback(TrainerCallback):
                     save_unwrapped(model, folder, processing_class)
                 if not write and sharded_checkpoint.has_sharded_model(folder):
                     sharded_checkpoint.check_model_matches(model, folder)
+                elif not write and (Path(folder) / "latest").is_file():
+                    pass  # DeepSpeed's own checkpoint: DeepSpeed checks it when it loads it
                 else:
                     verify_saved_model(model, folder, processing_class)
             except Exception as e:  # reported on every rank by _agree, so none is left waiting

@@ -116,6 +116,24 @@ def check_torch_file(path: Path) -> None:
         raise CheckpointError(f"{path.name} cannot be loaded safely (weights_only=True): {reason}") from error
 
 
+def _in_deepspeed_folder(path: Path, root: Path) -> bool:
+    """A file of DeepSpeed's ``global_stepN/`` checkpoint (next to its ``latest`` file)."""
+    return (root / "latest").is_file() and path.parent != root and path.parent.name.startswith("global_step")
+
+
+def check_zip(path: Path) -> None:
+    """A torch file checked as the zip archive it is (every member's CRC), without unpickling it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(f"{path.name} is truncated or corrupted ({error})") from error
+    if bad is not None:
+        raise CheckpointError(f"{path.name} is corrupted (member {bad} fails its checksum)")
+
+
 def verify(directory: str | os.PathLike, *, require_marker: bool = True) -> dict[str, Any]:
     """Check a checkpoint: marker present, file sizes as committed, headers and torch files readable."""
     src = Path(directory)
@@ -135,6 +153,8 @@ def verify(directory: str | os.PathLike, *, require_marker: bool = True) -> dict
             continue
         if path.suffix == ".safetensors":
             check_safetensors(path)
+        elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
+            check_zip(path)  # DeepSpeed loads its own files (full unpickling): check they are whole, run nothing
         elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
             check_torch_file(path)
         elif path.suffix == ".json":

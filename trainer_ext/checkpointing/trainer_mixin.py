@@ -105,6 +105,11 @@ class CheckpointingMixin:
         """Refuse a checkpoint of another model, or of another world size unless the batches line up."""
         facts = marker.read_marker(path) or {}
         saved = facts.get("world_size")
+        if saved is not None and saved != self.args.world_size and facts.get("strategy") == "deepspeed":
+            raise ConfigError(
+                f"{path.name} is a DeepSpeed checkpoint of {saved} processes and this run has "
+                f"{self.args.world_size}: resume DeepSpeed with the same number of processes"
+            )
         if saved is not None and saved != self.args.world_size:
             now = self._batch_facts()
             if any(facts.get(k) != v for k, v in now.items()):
@@ -171,7 +176,11 @@ class CheckpointingMixin:
         _barrier(self)  # every rank's files are written
         if self.args.should_save:
             marker.write_marker(
-                folder, world_size=self.args.world_size, step=self.state.global_step, **self._batch_facts()
+                folder,
+                world_size=self.args.world_size,
+                step=self.state.global_step,
+                strategy=self.accelerator.strategy.name,
+                **self._batch_facts(),
             )
             removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
             for path in removed:

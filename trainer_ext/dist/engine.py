@@ -18,10 +18,12 @@ from torch.utils.data import DataLoader
 from . import collectives, sharded_checkpoint
 from .accumulation import GradientState
 from .data import shard_dataloader
+from .deepspeed_config import model_hidden_size
 from .optimizer import EngineOptimizer
 from .precision import Precision
 from .state import DistributedType, DistState
 from .strategies import Strategy, resolve_strategy
+from .strategies.deepspeed import is_engine
 
 
 class Engine:
@@ -47,8 +49,10 @@ class Engine:
             options = {"mixed_precision": mixed_precision, **(strategy_options or {})}
             strategy = resolve_strategy(state, strategy, **options)
         self.strategy = strategy
+        # DeepSpeed casts the model and keeps fp32 masters itself: no autocast or scaler of ours on top
+        self._mixed_precision = mixed_precision
         self.precision = Precision(
-            mixed_precision,
+            "no" if strategy.owns_mixed_precision else mixed_precision,
             state.device,
             uses_scaler=not strategy.owns_loss_scaling,
             scaler_factory=strategy.make_grad_scaler,
@@ -61,6 +65,7 @@ class Engine:
         self.device_placement = device_placement
         self.torch_compile = torch_compile
         self.parallelism_config = None
+        self.training_steps: tuple[int, int] | None = None  # (total, warm-up) for DeepSpeed's "auto" schedule
         self.step_was_skipped = False
         self.skipped_steps = 0  # optimizer steps skipped by the fp16 loss scaler (inf/NaN gradients)
         self._models: list[torch.nn.Module] = []
@@ -98,7 +103,7 @@ class Engine:
 
     @property
     def mixed_precision(self) -> str:
-        return self.precision.mode
+        return self._mixed_precision
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -131,20 +136,52 @@ class Engine:
         """
         placement = device_placement or [self.device_placement] * len(objects)
         out: list[Any] = list(objects)
-        for i, (obj, place) in enumerate(zip(objects, placement, strict=True)):
+        if self.strategy.joint_prepare:
+            self._prepare_joint(out)
+        for i, (obj, place) in enumerate(zip(out, placement, strict=True)):
             if isinstance(obj, torch.nn.Module):
                 out[i] = self.prepare_model(obj, device_placement=place)
-        for i, obj in enumerate(objects):
+        for i, obj in enumerate(out):
             if isinstance(obj, torch.optim.Optimizer):
                 out[i] = self.prepare_optimizer(obj)
             elif isinstance(obj, DataLoader):
                 out[i] = self.prepare_dataloader(obj)
         return out[0] if len(out) == 1 else tuple(out)
 
+    def _prepare_joint(self, objects: list[Any]) -> None:
+        """DeepSpeed: the first model and optimizer become one engine (in place in ``objects``)."""
+        models = [i for i, o in enumerate(objects) if isinstance(o, torch.nn.Module) and not is_engine(o)]
+        optimizers = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer)]
+        if not models or not optimizers:
+            return  # a model alone is wrapped by prepare_model (evaluation); an optimizer alone waits
+        m, o = models[0], optimizers[0]
+        model = objects[m]
+        optimizer = getattr(objects[o], "optimizer", objects[o])
+        config = self.strategy.hf_config
+        steps, warmup = self.training_steps or (None, None)
+        config.finalize(hidden_size=model_hidden_size(model), num_training_steps=steps, num_warmup_steps=warmup)
+        if "optimizer" in config.config:
+            optimizer = None  # the config's optimizer block wins (the caller's optimizer is left unused)
+        engine, ds_optimizer, _ = self.strategy.initialize(model, optimizer)
+        objects[m] = engine
+        wrapped = EngineOptimizer(ds_optimizer, self)
+        self._optimizers.append(wrapped)
+        objects[o] = wrapped
+        self._models.append(engine)
+
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
         """Place on the device, autocast ``forward``, wrap for training (not for evaluation), compile."""
+        if is_engine(model):
+            return model
+        if self.strategy.joint_prepare:  # a model prepared without its optimizer: evaluation/inference
+            if evaluation_mode and not getattr(self.strategy.hf_config, "is_zero3", lambda: False)():
+                model = model.to(self.device) if device_placement is not False else model
+            else:
+                model = self.strategy.wrap(model)
+            self._models.append(model)
+            return model
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement and not _placed_by_user(model):
@@ -197,12 +234,28 @@ class Engine:
         """Backward of ``loss`` as given: accumulation normalisation is the caller's (never divided here)."""
         learning_rate = kwargs.pop("learning_rate", None)
         kwargs.pop("scale_wrt_gas", None)
+        if self.strategy.owns_accumulation:
+            self._deepspeed_backward(loss)
+            return
         if learning_rate is not None:
             lomo = [o.optimizer for o in self._optimizers if hasattr(o.optimizer, "fused_backward")]
             if lomo:
                 lomo[0].fused_backward(loss, learning_rate)
                 return
         self.strategy.backward(self.precision.scale(loss), **kwargs)
+
+    def _deepspeed_backward(self, loss: torch.Tensor) -> None:
+        """Backward and step through DeepSpeed's engine; the boundary is ours (the caller's sync), not its count."""
+        engine = self.strategy.engine
+        boundary = self.gradient_state.sync_gradients
+        engine.set_gradient_accumulation_boundary(boundary)
+        before = getattr(engine, "skipped_steps", 0)
+        self.strategy.backward(loss)
+        self.strategy.step()
+        if boundary:
+            skipped = getattr(engine, "skipped_steps", 0) > before  # fp16 overflow: DeepSpeed skipped the step
+            self.step_was_skipped = skipped
+            self.skipped_steps += int(skipped)
 
     def unscale_gradients(self) -> None:
         for optimizer in self._optimizers:
@@ -228,6 +281,8 @@ class Engine:
         """The full state dict; for a sharded model a collective that leaves it on the main process only."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
+        if self.strategy.joint_prepare:
+            return self.strategy.consolidated_state_dict(self.strategy.engine) or {}
         if self.strategy.sharded_checkpoints:
             return sharded_checkpoint.full_state_dict(model)
         return model.state_dict()

@@ -50,12 +50,17 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients at a sync boundary only, so accumulating loops keep every micro-batch's."""
+        if self.engine.strategy.owns_accumulation:
+            return  # DeepSpeed zeroes them in its own step
         if self.engine.gradient_state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> None:
-        """Step at a sync boundary (through the scaler for fp16); a no-op on other micro-batches."""
-        if not self.engine.gradient_state.sync_gradients:
+        """Step at a sync boundary (through the scaler for fp16); a no-op on other micro-batches.
+
+        Under DeepSpeed the engine already stepped in ``backward`` (at the boundary): nothing left to do.
+        """
+        if not self.engine.gradient_state.sync_gradients or self.engine.strategy.owns_accumulation:
             return
         if closure is not None:
             self.optimizer.step(closure)

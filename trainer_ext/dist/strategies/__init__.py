@@ -9,6 +9,7 @@ from ..rules import check_world
 from ..state import DistState
 from .base import Strategy
 from .ddp import DDPStrategy
+from .deepspeed import DeepSpeedStrategy
 from .fsdp import FSDPStrategy
 from .single import SingleDeviceStrategy
 
@@ -16,6 +17,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
     "fsdp": FSDPStrategy,
+    "deepspeed": DeepSpeedStrategy,
 }
 
 
@@ -36,4 +38,12 @@ def resolve_strategy(state: DistState, name: str | None = None, **options: Any) 
     return cls(state, **options)
 
 
-__all__ = ["STRATEGIES", "DDPStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "resolve_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "resolve_strategy",
+]

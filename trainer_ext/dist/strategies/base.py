@@ -21,6 +21,8 @@ class Strategy:
     owns_loss_scaling = False  # the backend scales fp16 losses itself (DeepSpeed)
     owns_accumulation = False  # the backend decides accumulation boundaries itself (DeepSpeed)
     sharded_checkpoints = False  # no rank holds the whole model: checkpoints are written by every rank (FSDP)
+    owns_mixed_precision = False  # the backend casts the model and runs the step in its dtype (DeepSpeed)
+    joint_prepare = False  # model and optimizer are wrapped together (DeepSpeed's engine)
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state

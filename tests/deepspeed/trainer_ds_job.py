@@ -1,0 +1,99 @@
+"""The Trainer with ``--deepspeed`` presets on 2 gloo ranks (DS_ACCELERATOR=cpu), against the DDP Trainer.
+
+``python trainer_ds_job.py OUT`` (under torchrun): every preset trains the same data as DDP; ZeRO-3 also stops
+and resumes, exports the model, and builds a model partitioned in ``from_pretrained``. Rank 0 writes the
+weights (consolidated) and ``results.json`` to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "distributed")]
+
+from jobs import StopAt, make_args  # noqa: E402
+from tiny import lm_dataset, tiny_llama  # noqa: E402
+
+from trainer_ext import Trainer  # noqa: E402
+
+PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+STOP = 4
+PROBE = [[5, 6, 7, 8, 9, 10]]
+
+
+def run(out: Path, preset: str | None, model: torch.nn.Module | None = None, **overrides) -> Trainer:
+    extra = {"deepspeed": str(ROOT / "configs" / "deepspeed" / f"{preset}.json")} if preset else {}
+    args = make_args(
+        out, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1, **extra, **overrides
+    )
+    trainer = Trainer(
+        model=model if model is not None else tiny_llama(0), args=args, train_dataset=lm_dataset(32, seed=7)
+    )
+    return trainer
+
+
+def consolidated(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.float().contiguous() for k, v in trainer.accelerator.get_state_dict(trainer.model_wrapped).items()}
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def main(out: Path) -> None:
+    results: dict = {}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    ddp = run(out / "ddp", None)
+    ddp.train()
+    tensors["ddp"], results["ddp"] = {k: v.contiguous() for k, v in ddp.model.state_dict().items()}, losses(ddp)
+    for preset in PRESETS:
+        trainer = run(out / preset, preset)
+        trainer.train()
+        tensors[preset] = consolidated(trainer)
+        norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+        results[preset] = {"losses": losses(trainer), "grad_norms": norms}
+        if preset == "zero3":
+            trainer.save_model(str(out / "export"))
+            with torch.no_grad():
+                results["zero3_logits"] = trainer.model_wrapped(input_ids=torch.tensor(PROBE)).logits.tolist()
+        trainer.accelerator.free_memory()
+
+    # ZeRO-3: stop at STOP (DeepSpeed checkpoint), resume from it, against the uninterrupted zero3 run above
+    save = {"save_strategy": "steps", "save_steps": STOP}
+    part = run(out / "resume", "zero3", **save)
+    part.add_callback(StopAt(STOP))
+    part.train()
+    resumed = run(out / "resume", "zero3", **save)
+    resumed.train(resume_from_checkpoint=str(out / "resume" / f"checkpoint-{STOP}"))
+    tensors["zero3_resumed"] = consolidated(resumed)
+    results["resume_steps"] = resumed.state.global_step
+
+    # from_pretrained after the arguments: the model is built partitioned (ZeRO-3)
+    if dist.get_rank() == 0:
+        tiny_llama(0).save_pretrained(out / "base")
+    dist.barrier()
+    args = make_args(out / "partitioned", deepspeed=str(ROOT / "configs" / "deepspeed" / "zero3.json"))
+    model = LlamaForCausalLM.from_pretrained(out / "base")  # while the arguments (and their config) live
+    del args
+    results["partitioned"] = {
+        "local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters()),
+        "full_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+        "has_ds_shape": all(hasattr(p, "ds_shape") for p in model.parameters()),
+    }
+    if dist.get_rank() == 0:
+        for name, values in tensors.items():
+            save_file(values, str(out / f"{name}.safetensors"))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,348 @@
+"""DeepSpeed ZeRO 0-3 (with CPU/NVMe offload) through ``deepspeed.initialize``.
+
+DeepSpeed wraps model, optimizer and scheduler together into one engine, and owns fp16 loss scaling,
+gradient clipping (``gradient_clipping``) and accumulation boundaries (``gradient_accumulation_steps``):
+call :meth:`DeepSpeedStrategy.backward` then :meth:`DeepSpeedStrategy.step` on every micro-batch and the
+engine steps optimizer and scheduler at the boundary itself. deepspeed is imported only when used.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import os
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+from .. import deepspeed_config
+from ..deepspeed_config import DeepSpeedConfig, check_resolved
+from ..state import DistributedType, DistState
+from .base import Strategy
+
+INSTALL_HINT = "DeepSpeed is not installed: pip install 'trainer_ext[deepspeed]'"
+
+
+class ConsolidationError(RuntimeError):
+    """The gathered full state dict is empty or incomplete: saving it would lose the model."""
+
+
+def import_deepspeed() -> Any:
+    """``import deepspeed``, or a ConfigError saying which extra to install."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
+    return deepspeed
+
+
+def is_engine(model: Any) -> bool:
+    """True for a ``DeepSpeedEngine`` (without importing deepspeed when nothing did yet)."""
+    deepspeed = sys.modules.get("deepspeed")
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+class DeepSpeedStrategy(Strategy):
+    """Runs training through a DeepSpeed engine configured by a resolved DeepSpeed config dict.
+
+    ``config`` must have no ``"auto"`` left (see ``trainer_ext.dist.deepspeed_config``). Options:
+    ``build_cpu_shm_comm`` (default False): let DeepSpeed compile its shared-memory all-reduce op on CPU,
+    which only its tensor-parallel inference uses and which costs a minute of C++ compilation on first use.
+    """
+
+    name = "deepspeed"
+    owns_loss_scaling = True
+    owns_accumulation = True
+    owns_mixed_precision = True
+    joint_prepare = True
+
+    def __init__(self, state: DistState, config: dict | DeepSpeedConfig, **options: Any) -> None:
+        super().__init__(state, **options)
+        self.hf_config = config if isinstance(config, DeepSpeedConfig) else DeepSpeedConfig(config)
+        self.engine: Any = None
+        self._grad_norm: torch.Tensor | None = None
+        self._owns_group = False
+
+    @property
+    def config(self) -> dict:
+        return self.hf_config.config
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.DEEPSPEED
+
+    # -- DeepSpeed's communication on our process group -------------------------------------------
+    def deepspeed_module(self) -> Any:
+        """The deepspeed module with its communication set up on our process group (idempotent)."""
+        deepspeed = import_deepspeed()
+        accelerator = deepspeed.get_accelerator().device_name()
+        if self.state.device.type != accelerator:
+            raise ConfigError(
+                f"DeepSpeed picked the {accelerator!r} accelerator but this process trains on "
+                f"{self.state.device.type!r}; set DS_ACCELERATOR={self.state.device.type} before starting"
+            )
+        # DeepSpeed (engine, zero.Init) reads the local rank from the environment only; srun and a plain
+        # `python train.py` do not set it, so hand it ours (the launcher's value when there is one)
+        local_rank = str(self.state.local_process_index)
+        if os.environ.setdefault("LOCAL_RANK", local_rank) != local_rank:
+            raise ConfigError(
+                f"LOCAL_RANK={os.environ['LOCAL_RANK']} in the environment but this process is local rank {local_rank}"
+            )
+        if deepspeed.comm.is_initialized():
+            return deepspeed
+        if accelerator == "cpu" and not self.options.get("build_cpu_shm_comm", False):
+            # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it first sets up
+            # communication (~1 min of g++); training never uses it (only AutoTP inference does, and falls
+            # back to torch.distributed without it). DeepSpeed keeps this probe dict editable for that purpose.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if not torch.distributed.is_initialized():
+            # one process without a launcher: DeepSpeed still wants a process group; an in-memory
+            # one-rank group needs no address or port
+            torch.distributed.init_process_group(
+                self.state.backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+            )
+            self._owns_group = True
+            atexit.register(_destroy_group)  # gloo threads alive at interpreter teardown abort the process
+        # with a group already there, DeepSpeed wraps it instead of creating one
+        deepspeed.comm.init_distributed(dist_backend=self.state.backend, dist_init_required=False)
+        return deepspeed
+
+    def register_with_transformers(self) -> None:
+        """Let transformers see this config (``is_deepspeed_zero3_enabled``): ``from_pretrained`` then
+        builds ZeRO-3 models partitioned. The strategy keeps the object alive (transformers holds a weakref)."""
+        self.deepspeed_module()  # zero.Init reads the world size from DeepSpeed's communication
+        deepspeed_config.register_with_transformers(self.hf_config)
+
+    def unregister_from_transformers(self) -> None:
+        deepspeed_config.unregister_from_transformers()
+
+    def zero3_init_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context that builds a model's parameters partitioned (ZeRO-3); a no-op for stages 0-2."""
+        if not self.hf_config.is_zero3():
+            return contextlib.nullcontext()
+        return self.deepspeed_module().zero.Init(config_dict_or_path=self.config)
+
+    # -- wrapping ---------------------------------------------------------------------------------
+    def initialize(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Callable | None = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any]:
+        """``deepspeed.initialize`` on our process group; returns ``(engine, optimizer, scheduler)``.
+
+        Without ``optimizer``/``lr_scheduler`` the config's ``optimizer``/``scheduler`` blocks are used;
+        giving both an object and a block is refused (one would be ignored). ``lr_scheduler`` may be a
+        callable taking the optimizer (for a scheduler on a config-built optimizer). The engine steps
+        the scheduler at each boundary: callers must not step it again.
+        """
+        check_resolved(self.config)
+        for given, block in ((optimizer, "optimizer"), (lr_scheduler, "scheduler")):
+            if given is not None and block in self.config:
+                raise ConfigError(
+                    f"a {block} was passed and the DeepSpeed config has a '{block}' block too; remove the block "
+                    f"to use the Trainer's {block}, or pass none to use the config's"
+                )
+        config = dict(self.config)
+        if optimizer is not None and self.hf_config.stage > 0:
+            # a torch optimizer is what our Trainer passes; DeepSpeed asks for an explicit opt-in
+            config.setdefault("zero_allow_untested_optimizer", True)
+            if self.hf_config.get_value("zero_optimization.offload_optimizer.device") in ("cpu", "nvme"):
+                # without DeepSpeedCPUAdam (a compiled op) the torch optimizer steps the offloaded state
+                config.setdefault("zero_force_ds_cpu_optimizer", False)
+        deepspeed = self.deepspeed_module()
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=params if optimizer is None and "optimizer" in config else None,
+            lr_scheduler=lr_scheduler,
+            config=config,
+            dist_init_required=False,
+        )
+        self.engine = engine
+        self._grad_norm = None
+        return engine, ds_optimizer, ds_scheduler
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """An engine without optimizer (evaluation, ZeRO-3 inference); train through :meth:`initialize`."""
+        if is_engine(model):
+            return model
+        return self.initialize(model)[0]
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        while is_engine(model):
+            model = model.module
+        return super().unwrap(model)
+
+    def forget(self) -> None:
+        self.engine = None
+        self._grad_norm = None
+
+    def _engine(self, engine: Any = None) -> Any:
+        engine = engine if engine is not None else self.engine
+        if engine is None:
+            raise RuntimeError("DeepSpeedStrategy: call initialize(model, optimizer, scheduler) first")
+        return engine
+
+    # -- the step ---------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """DeepSpeed reduces at its own boundaries (ZeRO-2/3 refuse ``engine.no_sync``)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward through the engine (fp16 loss scaling is DeepSpeed's).
+
+        Like every strategy, the loss is used as given: accumulation normalisation is the caller's, so
+        DeepSpeed's own division by the accumulation steps is off unless ``scale_wrt_gas=True`` is passed.
+        """
+        kwargs.setdefault("scale_wrt_gas", False)
+        self._engine().backward(loss, **kwargs)
+
+    def step(self) -> None:
+        """``engine.step()`` after every micro-batch; at the boundary it clips, steps the optimizer and
+        the scheduler, and zeroes the gradients."""
+        engine = self._engine()
+        boundary = engine.is_gradient_accumulation_boundary()
+        own_norm = boundary and not _engine_reports_norm(engine)
+        if own_norm:
+            # stage 0 in fp32 clips with torch and throws the norm away: measure it first
+            # (the gradients are already all-reduced by the boundary backward)
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        engine.step()
+        if own_norm:
+            self._grad_norm = norm.detach()
+        elif boundary:
+            value = engine.get_global_grad_norm()
+            self._grad_norm = None if value is None else torch.as_tensor(float(value))
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | None:
+        """The global gradient norm of the latest optimizer step (before clipping), or None before the first.
+
+        DeepSpeed clips inside :meth:`step` at ``gradient_clipping``; a different ``max_norm`` is refused.
+        """
+        configured = float(self.config.get("gradient_clipping", 0.0) or 0.0)
+        if max_norm and max_norm > 0 and not _close(max_norm, configured):
+            raise ConfigError(
+                f"clip_grad_norm_(max_norm={max_norm}) but DeepSpeed clips at gradient_clipping={configured}; "
+                "set gradient_clipping in the DeepSpeed config (or 'auto' to take --max_grad_norm)"
+            )
+        if norm_type != 2.0:
+            raise ConfigError(f"DeepSpeed clips by the 2-norm only; norm_type={norm_type} is not supported")
+        return self._grad_norm
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(
+        self, engine: Any, directory: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
+    ) -> Path:
+        """Engine, optimizer and scheduler state, written by every rank (all ranks must call it)."""
+        engine = self._engine(engine)
+        directory = Path(directory)
+        engine.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+        return directory
+
+    def load_checkpoint(self, engine: Any, directory: str | os.PathLike, tag: str | None = None) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote (all ranks); returns its ``client_state``."""
+        engine = self._engine(engine)
+        directory = Path(directory)
+        if tag is None and not (directory / "latest").is_file():
+            raise ConfigError(
+                f"no DeepSpeed checkpoint in {directory}: it has no 'latest' file (pass the tag, e.g. 'global_step10')"
+            )
+        if tag is not None and not (directory / str(tag)).is_dir():
+            raise ConfigError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
+        path, client_state = engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load the checkpoint in {directory} (tag {tag or 'latest'})")
+        return client_state or {}
+
+    def consolidated_state_dict(self, engine: Any = None) -> dict[str, torch.Tensor] | None:
+        """The full model state dict in the training dtype on the main process (None on the others).
+
+        A collective under ZeRO-3 (every rank must call it): gathered layer by layer into CPU tensors,
+        tied weights kept tied. Stages 0-2 hold the whole model on every rank: its own state dict. The
+        result is checked against the model's parameters — every one present with its full size — so an
+        empty or partial save cannot happen.
+        """
+        engine = self._engine(engine)
+        module = engine.module
+        if engine.zero_optimization_partition_weights():
+            state_dict = engine._zero3_consolidated_16bit_state_dict()
+        elif self.state.is_main_process:
+            state_dict = module.state_dict()
+        if not self.state.is_main_process:
+            return None
+        check_complete(module, state_dict)
+        return state_dict
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Drop the engine; tear down the one-rank group :meth:`deepspeed_module` created, if any."""
+        self.forget()
+        if self._owns_group:
+            _destroy_group()
+        self._owns_group = False
+
+
+def _destroy_group() -> None:
+    if torch.distributed.is_initialized():
+        gc.collect()
+        torch.distributed.destroy_process_group()
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
+
+
+def _engine_reports_norm(engine: Any) -> bool:
+    """DeepSpeed records the global norm except for stage 0 in fp32 (plain torch clipping)."""
+    return bool(engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled())
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's full shape, also when ZeRO-3 has partitioned it (``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def check_complete(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`ConsolidationError` unless every parameter of ``module`` is in ``state_dict`` in full."""
+    expected = {name: full_shape(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    if not state_dict or not expected:
+        raise ConsolidationError(
+            f"the consolidated state dict has {len(state_dict)} tensors for a model with {len(expected)} parameters; "
+            "refusing to save an empty model"
+        )
+    missing = sorted(set(expected) - set(state_dict))
+    wrong = sorted(
+        f"{name} {tuple(state_dict[name].shape)} (expected {tuple(shape)})"
+        for name, shape in expected.items()
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(shape)
+    )
+    if missing or wrong:
+        details = []
+        if missing:
+            details.append(f"missing {len(missing)}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        if wrong:
+            details.append(f"wrong size {len(wrong)}: {', '.join(wrong[:5])}{' …' if len(wrong) > 5 else ''}")
+        raise ConsolidationError(
+            "the consolidated state dict is incomplete (a ZeRO-3 gather that did not happen?): " + "; ".join(details)
+        )
+    unique = {id(p): p for p in module.parameters()}
+    want = sum(int(torch.Size(full_shape(p)).numel()) for p in unique.values())
+    seen: dict[int, int] = {}
+    for name in expected:
+        tensor = state_dict[name]
+        seen[tensor.data_ptr() if tensor.numel() else id(tensor)] = tensor.numel()
+    have = sum(seen.values())
+    if have != want:
+        raise ConsolidationError(f"the consolidated state dict holds {have} parameter values; the model has {want}")
