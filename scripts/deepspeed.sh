@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # DeepSpeed ZeRO on the GPUs of this machine: the same training command as scripts/cpu.sh.
 #   scripts/deepspeed.sh --config configs/examples/causal_lm.yaml --bf16
-# NOT USABLE YET: DeepSpeed support and the preset configs/deepspeed/zero2.json come with issue #7.
-# Until then the launcher stops because the preset is missing, and `trainer-ext train` refuses
-# --deepspeed with a clear error.
+# Needs the extra: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]'.
 # Set: DS_CONFIG (default configs/deepspeed/zero2.json), GPUS (default all), NPROC (default one per
 # GPU), DEVICE=cpu for CPU processes (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu), DRY_RUN=1 to
 # print the settings and the command.

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from .dist import checkpoint
 from .dist.data import skip_first_batches as _skip_first_batches
+from .dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .dist.engine import Engine
 from .dist.fsdp_config import FSDPSettings, parse_fsdp
 from .dist.rules import check_precision
@@ -62,8 +63,14 @@ class PreparedScheduler:
         return getattr(self.scheduler, name)
 
 
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
 class Accelerator:
     """Device placement, DDP, mixed precision, accumulation, collectives, checkpoints and trackers."""
+
+    deepspeed_max_grad_norm: float = 1.0  # what a DeepSpeed config's gradient_clipping "auto" becomes
 
     def __init__(
         self,
@@ -79,6 +86,7 @@ class Accelerator:
         timeout: timedelta | None = None,
         split_batches: bool = False,
         fsdp_config: str | os.PathLike | dict | FSDPSettings | None = None,
+        deepspeed_config: str | os.PathLike | dict | None = None,
     ) -> None:
         if split_batches:
             raise ConfigError("split_batches=True is not supported; give each process its own per-device batch")
@@ -89,7 +97,11 @@ class Accelerator:
         state = DistState(cpu=cpu, timeout=timeout)
         check_precision(mode, state.device)
         strategy, options = None, None
-        if fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
+        if fsdp_config is not None and deepspeed_config is not None:
+            raise ConfigError("fsdp_config and deepspeed_config both shard the model; give one")
+        if deepspeed_config is not None:  # resolved at prepare(), when the batch size and optimizer are known
+            strategy, options = "deepspeed", {"config": DeepSpeedConfig(deepspeed_config)}
+        elif fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
             settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
             strategy, options = "fsdp", {"settings": settings}
         self.engine = Engine(
@@ -134,13 +146,48 @@ class Accelerator:
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
         """Models, optimizers, dataloaders and LR schedulers, in any order and number; same arity back."""
         placement = device_placement or [self.engine.device_placement] * len(objects)
+        schedulers = [
+            isinstance(o, torch.optim.lr_scheduler.LRScheduler) or hasattr(o, "get_last_lr") for o in objects
+        ]
+        if self.engine.strategy.joint_prepare:  # DeepSpeed: model and optimizer in one call, config resolved first
+            self._resolve_deepspeed(objects)
+            rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
+            places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
+            prepared = iter(_as_tuple(self.engine.prepare(*rest, device_placement=places)) if rest else ())
+            out = [
+                self.prepare_scheduler(o) if s else next(prepared) for o, s in zip(objects, schedulers, strict=True)
+            ]
+            return out[0] if len(out) == 1 else tuple(out)
         out = []
-        for obj, place in zip(objects, placement, strict=True):
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr"):
+        for obj, place, is_scheduler in zip(objects, placement, schedulers, strict=True):
+            if is_scheduler:
                 out.append(self.prepare_scheduler(obj))
             else:
                 out.append(self.engine.prepare(obj, device_placement=[place]))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _resolve_deepspeed(self, objects: tuple[Any, ...]) -> None:
+        """Fill the DeepSpeed config's ``"auto"`` values from what is being prepared (batch size, optimizer)."""
+        config = self.engine.strategy.hf_config
+        loaders = [o for o in objects if isinstance(o, DataLoader)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        defaults = optimizers[0].defaults if optimizers else {}
+        betas = defaults.get("betas", (0.9, 0.999))
+        config.resolve(
+            DeepSpeedInputs(
+                world_size=self.num_processes,
+                micro_batch_size=(loaders[0].batch_size or 1) if loaders else 1,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+                max_grad_norm=self.deepspeed_max_grad_norm,
+                learning_rate=defaults.get("lr", 1e-3),
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                adam_epsilon=defaults.get("eps", 1e-8),
+                weight_decay=defaults.get("weight_decay", 0.0),
+                fp16=self.mixed_precision == "fp16",
+                bf16=self.mixed_precision == "bf16",
+            )
+        )
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -277,7 +324,11 @@ class Accelerator:
         from .saving import save_model
 
         unwrapped = self.unwrap_model(model, keep_torch_compile=False)
-        if self.engine.strategy.sharded_checkpoints and is_sharded(unwrapped):
+        if self.engine.strategy.joint_prepare:  # DeepSpeed: gathered under ZeRO-3 on every rank, checked whole
+            state = self.engine.get_state_dict(model)
+            if self.is_main_process:
+                save_model(unwrapped, save_directory, max_shard_size=max_shard_size, state_dict=state)
+        elif self.engine.strategy.sharded_checkpoints and is_sharded(unwrapped):
             export_consolidated(
                 unwrapped, save_directory, max_shard_size=max_shard_size, is_main_process=self.is_main_process
             )
@@ -301,6 +352,7 @@ class Accelerator:
             "scaler": self.scaler,
             "custom": self._custom,
             "sharded": self.engine.strategy.sharded_checkpoints,
+            "deepspeed": self.engine.strategy if self.engine.strategy.joint_prepare else None,
         }
 
     def save_state(self, output_dir: str | os.PathLike | None = None) -> str:

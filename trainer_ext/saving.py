@@ -28,9 +28,14 @@ def parse_size(size: str | int) -> int:
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each storage once (safetensors refuses tied weights), contiguous, on the CPU."""
+    return _unique(model.state_dict())
+
+
+def _unique(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each storage once (the first name), detached, contiguous, on the CPU."""
     seen: set[int] = set()
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state_dict.items():
         if tensor.data_ptr() in seen and tensor.numel() > 0:
             continue
         seen.add(tensor.data_ptr())
@@ -38,15 +43,23 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_model(model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "10GB") -> Path:
-    """transformers models: ``save_pretrained`` (config included); other modules: sharded safetensors + index."""
+def save_model(
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    max_shard_size: str | int = "10GB",
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """transformers models: ``save_pretrained`` (config included); other modules: sharded safetensors + index.
+
+    ``state_dict``: the weights to write instead of the model's own (a DeepSpeed ZeRO-3 model's gathered ones).
+    """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     limit = parse_size(max_shard_size)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out, max_shard_size=limit)
+        model.save_pretrained(out, max_shard_size=limit, state_dict=state_dict)
         return out
-    tensors = unique_state_dict(model)
+    tensors = unique_state_dict(model) if state_dict is None else _unique(state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():

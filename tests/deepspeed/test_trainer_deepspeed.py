@@ -74,3 +74,26 @@ def test_from_pretrained_builds_the_model_partitioned_under_zero3(ranks: Path) -
     partitioned = json.loads((ranks / "results.json").read_text())["partitioned"]
     assert partitioned["has_ds_shape"]
     assert partitioned["local_numel"] * 2 == partitioned["full_numel"]  # each of 2 ranks holds half
+
+
+@pytest.fixture(scope="module")
+def loop_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("loop_ds")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        run_ranks(Path(__file__).parent / "trainer_ds_job.py", 2, str(out), "loop", timeout=600)
+    return out
+
+
+def test_accelerator_loop_under_deepspeed(loop_ranks: Path) -> None:
+    """Accelerator(deepspeed_config=...): ZeRO-2/3 match the DDP loop; save_state/load_state resume; save_model."""
+    assert json.loads((loop_ranks / "loop.json").read_text())["distributed_type"] == "DEEPSPEED"
+    ddp = load_file(str(loop_ranks / "loop_ddp.safetensors"))
+    assert _max_diff(ddp, job.tiny_llama(0).state_dict()) > 1e-2
+    zero3 = load_file(str(loop_ranks / "loop_zero3.safetensors"))
+    assert _max_diff(load_file(str(loop_ranks / "loop_zero2.safetensors")), ddp) < TOL
+    assert _max_diff(zero3, ddp) < TOL
+    assert _max_diff(load_file(str(loop_ranks / "loop_resumed.safetensors")), zero3) < 1e-6
+    assert (loop_ranks / "loop_state" / "deepspeed" / "latest").is_file()
+    exported = LlamaForCausalLM.from_pretrained(loop_ranks / "loop_export").state_dict()
+    assert _max_diff(dict(exported), zero3) == 0.0

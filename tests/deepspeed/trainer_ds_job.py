@@ -95,5 +95,31 @@ def main(out: Path) -> None:
     dist.barrier()
 
 
+def loop(out: Path) -> None:
+    """trainer_ext.Accelerator(deepspeed_config=...) in the hand-written loop of tests/distributed/loops.py."""
+    from loops import train_loop
+
+    tensors = {"loop_ddp": train_loop(per_device_batch=1, grad_accum=2)[1]}
+    for preset in ("zero2", "zero3"):
+        config = str(ROOT / "configs" / "deepspeed" / f"{preset}.json")
+        accelerator, tensors[f"loop_{preset}"], _ = train_loop(
+            per_device_batch=1, grad_accum=2, deepspeed_config=config
+        )
+        if preset == "zero3":
+            accelerator.save_model(accelerator.engine._models[0], out / "loop_export")
+            kind = accelerator.distributed_type
+        accelerator.engine.free_memory()
+    config = str(ROOT / "configs" / "deepspeed" / "zero3.json")
+    train_loop(per_device_batch=1, grad_accum=2, stop_after=8, save_to=out / "loop_state", deepspeed_config=config)
+    tensors["loop_resumed"] = train_loop(
+        per_device_batch=1, grad_accum=2, resume_from=out / "loop_state", deepspeed_config=config
+    )[1]
+    if dist.get_rank() == 0:
+        for name, values in tensors.items():
+            save_file({k: v.float().contiguous() for k, v in values.items()}, str(out / f"{name}.safetensors"))
+        (out / "loop.json").write_text(json.dumps({"distributed_type": str(getattr(kind, "value", kind))}))
+    dist.barrier()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    loop(Path(sys.argv[1])) if sys.argv[2:] == ["loop"] else main(Path(sys.argv[1]))

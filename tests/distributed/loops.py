@@ -25,7 +25,8 @@ from trainer_ext import Accelerator  # noqa: E402
 def weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full weights (gathered on rank 0 for a sharded model)."""
     inner = accelerator.unwrap_model(model)
-    state = accelerator.get_state_dict(inner) if accelerator.distributed_type == "FSDP" else inner.state_dict()
+    sharded = accelerator.distributed_type in ("FSDP", "DEEPSPEED")
+    state = accelerator.get_state_dict(model) if sharded else inner.state_dict()
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
@@ -48,9 +49,16 @@ def train_loop(
     save_to: Path | None = None,
     resume_from: Path | None = None,
     fsdp_config: dict | None = None,
+    deepspeed_config: str | None = None,
 ) -> tuple[Accelerator, dict[str, torch.Tensor], dict]:
     """The accelerate-example loop: accumulate, backward, clip, step, schedule, zero_grad."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum, seed=0, fsdp_config=fsdp_config)
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=grad_accum,
+        seed=0,
+        fsdp_config=fsdp_config,
+        deepspeed_config=deepspeed_config,
+    )
     model, optimizer, loader, scheduler = build(accelerator, per_device_batch, epochs=epochs)
     start_epoch, seen = 0, 0
     if resume_from is not None:

@@ -74,17 +74,23 @@ def save_state(
     custom: list[Any] | None = None,
     extra: dict[str, Any] | None = None,
     sharded: bool = False,
+    deepspeed: Any = None,
 ) -> Path:
     """Write a checkpoint of everything passed (models already unwrapped) into ``directory``.
 
     ``sharded``: models and optimizers are FSDP-sharded; every rank writes its shards (``model_<i>/``,
-    ``optimizer_<i>/``, ``torch.distributed.checkpoint``) and nothing is gathered.
+    ``optimizer_<i>/``, ``torch.distributed.checkpoint``) and nothing is gathered. ``deepspeed``: the DeepSpeed
+    strategy, whose engine writes model and optimizer (``deepspeed/``) instead.
     """
     out = Path(directory)
     rank = state.process_index
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         remove_marker(out)
+    if deepspeed is not None:
+        state.wait_for_everyone()
+        deepspeed.save_checkpoint(deepspeed.engine, out / "deepspeed")
+        models, optimizers, sharded = [], [], False  # in DeepSpeed's checkpoint
     if sharded:
         state.wait_for_everyone()
         for i, model in enumerate(models):
@@ -128,6 +134,7 @@ def load_state(
     scaler: Any = None,
     custom: list[Any] | None = None,
     sharded: bool = False,
+    deepspeed: Any = None,
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
     src = Path(directory)
@@ -142,6 +149,9 @@ def load_state(
             f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
             f"with {saved_ranks} processes"
         )
+    if deepspeed is not None:
+        deepspeed.load_checkpoint(deepspeed.engine, src / "deepspeed")
+        models, optimizers = [], []  # loaded with the engine
     if sharded or sharded_checkpoint.has_sharded_model(src / "model_0"):
         for i, model in enumerate(models):
             sharded_checkpoint.load_model(model, src / f"model_{i}")
