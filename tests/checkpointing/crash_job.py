@@ -1,6 +1,6 @@
 """A 2-rank training job for the fault-tolerance tests, run with ``trainer-ext launch``.
 
-``python crash_job.py OUT MODE``: MODE ``full`` trains uninterrupted; ``crash`` SIGKILLs rank 1 at step 5
+``python crash_job.py OUT MODE [STRATEGY]`` (STRATEGY ``ddp``, the default, ``fsdp`` or ``deepspeed``): MODE ``full`` trains uninterrupted; ``crash`` SIGKILLs rank 1 at step 5
 in the first attempt only (TORCHELASTIC_RESTART_COUNT=0); ``die`` SIGKILLs rank 1 at step 3 every time;
 ``preempt`` sends SIGUSR1 to rank 1 at step 3. Every mode resumes with ``"auto"``; rank 0 writes the
 final weights and the checkpoint it resumed from.
@@ -41,13 +41,22 @@ class Fault(TrainerCallback):
         return control
 
 
-def main(out: str, mode: str) -> None:
+STRATEGIES = {
+    "ddp": {},
+    "fsdp": {"fsdp": True},
+    "deepspeed": {"deepspeed": str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero3.json")},
+}
+
+
+def main(out: str, mode: str, strategy: str = "ddp") -> None:
     faults = {
         "crash": Fault(5, signal.SIGKILL, once=True),
         "die": Fault(3, signal.SIGKILL, once=False),
         "preempt": Fault(3, signal.SIGUSR1, once=False),
     }
-    args = make_args(out, save_strategy="steps", save_steps=2, num_train_epochs=2, ddp_timeout=30)
+    args = make_args(
+        out, save_strategy="steps", save_steps=2, num_train_epochs=2, ddp_timeout=30, **STRATEGIES[strategy]
+    )
     trainer = Trainer(
         model=tiny_llama(0),
         args=args,
@@ -56,11 +65,12 @@ def main(out: str, mode: str) -> None:
     )
     resumed_from = trainer.resolve_resume("auto")
     trainer.train(resume_from_checkpoint=resumed_from)
+    final = weights(trainer) if strategy == "ddp" else trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if args.process_index == 0:
-        save_file(weights(trainer), str(Path(out) / "final.safetensors"))
+        save_file({k: v.contiguous() for k, v in final.items()}, str(Path(out) / "final.safetensors"))
         info = {"resumed_from": resumed_from and Path(resumed_from).name, "steps": trainer.state.global_step}
         (Path(out) / "result.json").write_text(json.dumps(info))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
