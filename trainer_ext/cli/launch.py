@@ -3,7 +3,8 @@
 Several processes go through ``torch.distributed.run`` (called as a library); one process on one
 machine is started directly, with no rendezvous and no torch.distributed variables. Settings come from
 the command line, then the config file, then defaults (see :mod:`.launch_settings`); everything that can
-be checked is checked before a process starts, and ``--dry_run`` shows the result with its sources.
+be checked is checked before a process starts (a DeepSpeed config for ``train`` included), and ``--dry_run``
+shows the result with its sources and the DeepSpeed config as ``train`` will resolve it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import contextlib
 import errno
 import importlib.util
+import json
 import os
 import shlex
 import socket
@@ -23,7 +25,13 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, did_you_mean
 from .launch_config import MIXED_PRECISION, RDZV_BACKENDS, find_config_file, read_config_file
 from .launch_settings import Settings, resolve
-from .launch_train_args import strategy_problems, translate_for_script, translate_for_train
+from .launch_train_args import (
+    DeepSpeedPreview,
+    preview_deepspeed,
+    strategy_problems,
+    translate_for_script,
+    translate_for_train,
+)
 
 USAGE = "trainer-ext launch [options] (SCRIPT.py | -m MODULE | train) [args...]"
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -85,6 +93,7 @@ class Plan:
     env: dict[str, str]
     torchrun_args: list[str] | None
     notes: list[str]
+    deepspeed: DeepSpeedPreview | None = None
 
 
 def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], Target | None]:
@@ -188,8 +197,13 @@ def rendezvous_args(s: Settings) -> list[str]:
 def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     """The command and environment for ``target`` under settings ``s`` (``strategy=False``: DDP only)."""
     notes: list[str] = []
+    deepspeed = None
     if target.kind == "train":
+        user_args = target.args
         target, env = translate_for_train(s, target, notes, strategy)
+        if strategy:
+            deepspeed = preview_deepspeed(s, user_args, target.args)
+            notes += deepspeed.notes if deepspeed else []
     else:
         env = translate_for_script(s, target, notes, strategy)
     if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
@@ -200,14 +214,14 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
         # restarted workers otherwise reuse the agent's store and look up the dead attempt's addresses
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if s.world_size == 1:
-        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes)
+        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed)
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
     torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])]
     if target.kind == "script":
         torchrun += [target.name, *target.args]
     else:
         torchrun += target.python_argv()
-    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes)
+    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed)
 
 
 def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan, bool]:
@@ -230,10 +244,15 @@ def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan,
     problems += strategy_problems(settings, target, strategy)
     if not problems:
         problems += _port_problems(settings)
+    plan = None
+    if not problems:
+        try:  # builds the train arguments and resolves their DeepSpeed config: its errors are launch problems too
+            plan = build_plan(settings, target, strategy)
+        except ConfigError as error:
+            problems.append(str(error).replace("\n", "\n    "))
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"cannot launch ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
-    plan = build_plan(settings, target, strategy)
     return settings, plan, namespace.dry_run
 
 
@@ -255,12 +274,21 @@ def describe(settings: Settings, plan: Plan) -> str:
     """The dry-run report: settings with sources, notes, and the exact command."""
     lines = [f"config file: {settings.config_file}", "resolved launch settings (value, then where it came from):"]
     lines.append(settings.table())
+    if plan.deepspeed is not None:
+        lines += _describe_deepspeed(plan.deepspeed)
     notes = settings.notes + plan.notes
     if notes:
         lines += ["notes:"] + [f"  - {n}" for n in notes]
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     lines += ["command:", "  " + (prefix + " " if prefix else "") + shlex.join(plan.command)]
     return "\n".join(lines)
+
+
+def _describe_deepspeed(preview: DeepSpeedPreview) -> list[str]:
+    """The DeepSpeed config as ``train`` will start with it, and the values its ``"auto"`` keys took."""
+    lines = [f'DeepSpeed config {preview.source}, "auto" values resolved from the launch and train arguments:']
+    lines += ["  " + line for line in json.dumps(preview.config, indent=2).splitlines()]
+    return lines + ["  resolved from:"] + [f"    {line}" for line in preview.inputs]
 
 
 @contextlib.contextmanager

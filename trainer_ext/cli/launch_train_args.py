@@ -2,6 +2,8 @@
 
 For ``train`` they become TrainingArguments flags, unless the user's train arguments (or the ``--config``
 files among them) already set the same thing: the user's own train flags win, and the dry run says so.
+When ``train`` gets a DeepSpeed config, :func:`preview_deepspeed` resolves its ``"auto"`` values from what
+those processes will see, so the launcher reports conflicts and shows the result before anything starts.
 A user script gets environment variables instead: ``ACCELERATE_MIXED_PRECISION`` (transformers'
 TrainingArguments reads it into ``args.mixed_precision``, which our engine uses) and
 ``TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS`` (the script reads it itself).
@@ -9,10 +11,13 @@ TrainingArguments reads it into ``args.mixed_precision``, which our engine uses)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -34,19 +39,25 @@ def _config_keys(path: str) -> set[str]:
     return {str(k).replace("-", "_") for k in data} if isinstance(data, dict) else set()
 
 
-def train_flags_set(args: Sequence[str]) -> set[str]:
-    """Names of the flags the user's ``train`` arguments set, their ``--config`` files included."""
-    names: set[str] = set()
+def train_sources(args: Sequence[str]) -> dict[str, str]:
+    """Flags the user's ``train`` arguments set, their ``--config`` files included: name -> where it is set."""
+    flags: dict[str, str] = {}
+    files: dict[str, str] = {}
     for i, word in enumerate(args):
         if not word.startswith("--"):
             continue
         name, eq, value = word[2:].partition("=")
         name = name.replace("-", "_")
-        names.add(name.removeprefix("no_"))
+        flags[name.removeprefix("no_")] = f"train --{name}"
         if name == "config":
             path = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            names |= _config_keys(path)
-    return names
+            files.update(dict.fromkeys(_config_keys(path), f"train --config {path}"))
+    return {**files, **flags}  # flags win over files, a later file over an earlier one
+
+
+def train_flags_set(args: Sequence[str]) -> set[str]:
+    """Names of the flags the user's ``train`` arguments set, their ``--config`` files included."""
+    return set(train_sources(args))
 
 
 def translate_for_train(
@@ -128,3 +139,75 @@ def strategy_problems(s: Settings, target: Target | None, strategy: bool = True)
         for name in ("deepspeed", "fsdp_config")
         if s[name]
     ]
+
+
+# the TrainingArguments that "auto" values in a DeepSpeed config are taken from (phase 1)
+_DS_BASIC = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "bf16", "fp16")
+_DS_OPTIMIZER = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+_LAUNCH_SETTING = {"bf16": "mixed_precision", "fp16": "mixed_precision", "fp8": "mixed_precision", "use_cpu": "cpu"}
+
+
+@dataclass
+class DeepSpeedPreview:
+    """The DeepSpeed config ``train`` will get, after phase-1 ``"auto"`` resolution, and what it came from."""
+
+    source: str
+    config: dict
+    inputs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def preview_deepspeed(s: Settings, user_args: Sequence[str], train_args: Sequence[str]) -> DeepSpeedPreview | None:
+    """Phase-1 resolution of the DeepSpeed config that ``train_args`` give ``train`` on ``s.world_size`` processes.
+
+    None without a DeepSpeed config. Malformed JSON, invalid settings and explicit values contradicting
+    the train arguments raise the ConfigError ``train`` itself would raise, before any process starts.
+    """
+    if "deepspeed" not in train_flags_set(train_args):
+        return None
+    from ..arguments import AUTO_DEFAULTS
+    from ..dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, auto_keys
+    from .parsing import parse_train_values
+
+    values = parse_train_values(train_args)[0]  # unknown flags are left for train to report
+    if not values.get("deepspeed"):
+        return None
+    job = "scratch" if values.get("model_name_or_path") is None else "pretrained"
+    defaults = {k: v for k, v in AUTO_DEFAULTS[job].items() if values.get(k) is None}
+    values.update(defaults)  # what TrainJobArguments fills in for this kind of job
+    user, launched = train_sources(user_args), train_flags_set(train_args[len(user_args) :])
+
+    def source(name: str) -> str:
+        if name in user:
+            return user[name]
+        if name in launched:
+            setting = _LAUNCH_SETTING.get(name, name)
+            return f"launch {setting} ({s.sources[setting]})"
+        if name in defaults:
+            return f"default for a {'model from scratch' if job == 'scratch' else 'pretrained model'}"
+        return "TrainingArguments default"
+
+    inputs = DeepSpeedInputs.from_training_args(SimpleNamespace(**values), world_size=s.world_size)
+    path = values["deepspeed"]
+    where = path if isinstance(path, str) else f"inline in {source('deepspeed')}"
+    config = DeepSpeedConfig(path, source=where).resolve(inputs).config
+
+    machines = s["num_machines"]
+    used = [f"world size {s.world_size}: {s['nproc_per_node']} process(es) per machine x {machines} machine(s)"]
+    names = list(_DS_BASIC)
+    names += _DS_OPTIMIZER if "optimizer" in config else ["learning_rate"] if "scheduler" in config else []
+    used += [f"{name} {_show(values[name])}: {source(name)}" for name in names]
+    notes = []
+    left = sorted(auto_keys(config))
+    if left:
+        notes.append(
+            f'DeepSpeed keys still "auto" until training starts (from the model\'s hidden size and the schedule): '
+            f"{', '.join(left)}"
+        )
+    if importlib.util.find_spec("deepspeed") is None:
+        notes.append("deepspeed is not installed here; train will stop: pip install 'trainer_ext[deepspeed]'")
+    return DeepSpeedPreview(where, config, used, notes)
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -120,8 +120,9 @@ def _unknown_flag_error(extras: Sequence[str], parser: argparse.ArgumentParser) 
     return ConfigError(f"unknown flag {given}.{hint} (all flags: trainer-ext train --help)")
 
 
-def parse_train_args(argv: Sequence[str]) -> TrainJobArguments:
-    """Parse ``trainer-ext train`` arguments (with ``--config`` files) into validated TrainJobArguments."""
+def parse_train_values(argv: Sequence[str]) -> tuple[dict[str, Any], list[str], argparse.ArgumentParser]:
+    """The flag values of ``trainer-ext train`` arguments, ``--config`` files applied, without building anything;
+    also the words no flag took and the parser."""
     argv = list(argv)
     pre = _PreParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", action="append", default=[])
@@ -136,7 +137,12 @@ def parse_train_args(argv: Sequence[str]) -> TrainJobArguments:
     parser.set_defaults(**defaults)
 
     namespace, extras = parser.parse_known_args(argv)
+    return {k: v for k, v in vars(namespace).items() if k != "config"}, extras, parser
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainJobArguments:
+    """Parse ``trainer-ext train`` arguments (with ``--config`` files) into validated TrainJobArguments."""
+    values, extras, parser = parse_train_values(argv)
     if extras:
         raise _unknown_flag_error(extras, parser)
-    values = {k: v for k, v in vars(namespace).items() if k != "config"}
     return TrainJobArguments(**values)
