@@ -97,3 +97,12 @@ def test_accelerator_loop_under_deepspeed(loop_ranks: Path) -> None:
     assert (loop_ranks / "loop_state" / "deepspeed" / "latest").is_file()
     exported = LlamaForCausalLM.from_pretrained(loop_ranks / "loop_export").state_dict()
     assert _max_diff(dict(exported), zero3) == 0.0
+
+
+def test_optimizer_and_scheduler_blocks_in_the_json_are_used(ranks: Path) -> None:
+    """With both blocks, DeepSpeed builds and steps them (the Trainer's scheduler view does not step)."""
+    blocks = json.loads((ranks / "results.json").read_text())["blocks"]
+    assert blocks["scheduler"] == "SteppedByEngine"
+    assert len(blocks["losses"]) == 8 and blocks["losses"][-1] < blocks["losses"][0]
+    lrs = blocks["lrs"]
+    assert max(lrs) == pytest.approx(1e-2) and lrs[-1] < max(lrs)  # warm-up then decay, peak --learning_rate

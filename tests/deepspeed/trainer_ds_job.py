@@ -66,6 +66,34 @@ def main(out: Path) -> None:
                 results["zero3_logits"] = trainer.model_wrapped(input_ids=torch.tensor(PROBE)).logits.tolist()
         trainer.accelerator.free_memory()
 
+    # optimizer and scheduler blocks in the JSON: DeepSpeed builds and steps both, the Trainer's are not used
+    blocks = json.loads((ROOT / "configs" / "deepspeed" / "zero2.json").read_text())
+    blocks["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
+    blocks["scheduler"] = {
+        "type": "WarmupDecayLR",
+        "params": {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")},
+    }
+    (out / "blocks.json").write_text(json.dumps(blocks))
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(
+            out / "blocks",
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=2,
+            num_train_epochs=1,
+            deepspeed=str(out / "blocks.json"),
+        ),
+        train_dataset=lm_dataset(32, seed=7),
+    )
+    trainer.train()
+    results["blocks"] = {
+        "losses": losses(trainer),
+        "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
+        "optimizer": type(trainer.accelerator.strategy.engine.optimizer).__name__,
+        "scheduler": type(trainer.lr_scheduler).__name__,
+    }
+    trainer.accelerator.free_memory()
+
     # ZeRO-3: stop at STOP (DeepSpeed checkpoint), resume from it, against the uninterrupted zero3 run above
     save = {"save_strategy": "steps", "save_steps": STOP}
     part = run(out / "resume", "zero3", **save)
