@@ -25,8 +25,10 @@ def run_torchrun(torchrun_args: Sequence[str]) -> int:
             else:
                 how = f"was stopped by signal {-failure.exitcode} (after another rank failed, or from outside)"
             print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}", file=sys.stderr)
-        code = failures[0][1].exitcode if failures else 1
-        return code if code > 0 else 1
+        # the code of a rank that ended by itself (e.g. 75 after a preemption save), not of the ranks torchrun
+        # stopped afterwards: those only say another one ended first
+        ended = sorted((f.timestamp, f.exitcode) for _, f in failures if f.exitcode > 0)
+        return ended[0][1] if ended else 1
     except (RendezvousError, dist.DistStoreError, TimeoutError) as error:
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
         why = " ".join(str(error).split()) or "no answer before the rendezvous timeout"
