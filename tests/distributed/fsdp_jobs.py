@@ -144,6 +144,28 @@ def loop(out: Path) -> None:
         (out / "loop.json").write_text(json.dumps({"distributed_type": str(getattr(kind, "value", kind))}))
 
 
+def hybrid(out: Path) -> None:
+    """4 ranks: DDP against the hybrid_shard preset on a 2 x 2 mesh (2 replicas of 2 shards).
+
+    One machine here, so replicate_size (default: the number of machines) is set to 2 explicitly.
+    """
+    from trainer_ext.dist.fsdp_config import read_fsdp_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "hybrid_shard.yaml"
+    preset = {**read_fsdp_config(path), "replicate_size": 2}
+    ddp, ddp_losses = train(out / "ddp4", {}, per_device_train_batch_size=1)
+    reference = gathered(ddp)
+    del ddp
+    hsdp, hsdp_losses = train(out / "hsdp", {"fsdp": True, "fsdp_config": preset}, per_device_train_batch_size=1)
+    values = gathered(hsdp)
+    mesh = hsdp.accelerator.strategy.mesh()
+    result = {"mesh": list(mesh.shape), "storage": storage(hsdp), "losses": [ddp_losses, hsdp_losses]}
+    if dist.get_rank() == 0:
+        save_file(reference, str(out / "ddp4.safetensors"))
+        save_file(values, str(out / "hsdp.safetensors"))
+        (out / "hybrid.json").write_text(json.dumps(result))
+
+
 def from_one(out: Path, checkpoint: str) -> None:
     """Resume under FSDP (2 ranks x batch 2) from a 1-process checkpoint (batch 2 x accumulation 2)."""
     trainer = Trainer(
@@ -164,6 +186,8 @@ if __name__ == "__main__":
         two(target)
     elif mode == "loop":
         loop(target)
+    elif mode == "hybrid":
+        hybrid(target)
     else:
         from_one(target, sys.argv[3])
     dist.barrier()

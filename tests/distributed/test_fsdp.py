@@ -149,3 +149,14 @@ def test_bf16_policy_trains(two_ranks: Path) -> None:
     losses = results["losses"]["bf16"]
     assert results["bf16_param_dtype"] == "torch.float32"  # the sharded parameters the optimizer updates
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0] - 0.3
+
+
+def test_hybrid_sharding_on_a_2x2_mesh_matches_ddp(tmp_path: Path) -> None:
+    """4 ranks, configs/fsdp/hybrid_shard.yaml with replicate_size 2: 2 replicas x 2 shards, DDP's weights."""
+    run_ranks(HERE / "fsdp_jobs.py", 4, str(tmp_path), "hybrid", timeout=600)
+    result = json.loads((tmp_path / "hybrid.json").read_text())
+    assert result["mesh"] == [2, 2]
+    assert result["storage"]["local"] / result["storage"]["full"] == pytest.approx(0.5, abs=0.01)
+    ddp, hsdp = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("ddp4", "hsdp"))
+    assert _max_diff(ddp, tiny_llama(0).state_dict()) > 1e-2
+    assert _max_diff(hsdp, ddp) < PARITY_ATOL
