@@ -23,14 +23,12 @@ from ..dist.strategies.deepspeed import is_engine
 from ..dist.strategies.fsdp import is_sharded
 from ..errors import ConfigError
 
+logger = logging.getLogger(__name__)
 DEEPSPEED_LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
 
 
 def has_deepspeed_checkpoint(directory: str | os.PathLike) -> bool:
     return (Path(directory) / DEEPSPEED_LATEST).is_file()
-
-
-logger = logging.getLogger(__name__)
 
 
 class ShardedCheckpointMixin:
@@ -66,7 +64,7 @@ class ShardedCheckpointMixin:
             else:
                 from ..saving import save_model
 
-                save_model(module, output_dir)
+                save_model(module, output_dir, state_dict=state)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors."""
@@ -83,16 +81,13 @@ class ShardedCheckpointMixin:
                 model.config.save_pretrained(output_dir)
         else:
             stats = sharded_checkpoint.export_consolidated(
-                model, output_dir, is_main_process=self.args.should_save, max_shard_size=self._export_shard_size()
+                model, output_dir, is_main_process=self.args.should_save, max_shard_size=self.export_max_shard_size
             )
             logger.info("saved the consolidated model to %s (%d file(s))", output_dir, stats["files"])
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _export_shard_size(self) -> str | int:
-        return getattr(self, "export_max_shard_size", "5GB")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.model_is_sharded():

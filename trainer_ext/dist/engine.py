@@ -176,7 +176,7 @@ class Engine:
         if is_engine(model):
             return model
         if self.strategy.joint_prepare:  # a model prepared without its optimizer: evaluation/inference
-            if evaluation_mode and not getattr(self.strategy.hf_config, "is_zero3", lambda: False)():
+            if evaluation_mode and not self.strategy.hf_config.is_zero3():
                 model = model.to(self.device) if device_placement is not False else model
             else:
                 model = self.strategy.wrap(model)
