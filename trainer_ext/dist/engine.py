@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader
 from . import collectives, sharded_checkpoint
 from .accumulation import GradientState
 from .data import shard_dataloader
-from .deepspeed_config import model_hidden_size
 from .optimizer import EngineOptimizer
 from .precision import Precision
 from .state import DistributedType, DistState
@@ -155,14 +154,8 @@ class Engine:
         if not models or not optimizers:
             return  # a model alone is wrapped by prepare_model (evaluation); an optimizer alone waits
         m, o = models[0], optimizers[0]
-        model = objects[m]
         optimizer = getattr(objects[o], "optimizer", objects[o])
-        config = self.strategy.hf_config
-        steps, warmup = self.training_steps or (None, None)
-        config.finalize(hidden_size=model_hidden_size(model), num_training_steps=steps, num_warmup_steps=warmup)
-        if "optimizer" in config.config:
-            optimizer = None  # the config's optimizer block wins (the caller's optimizer is left unused)
-        engine, ds_optimizer, _ = self.strategy.initialize(model, optimizer)
+        engine, ds_optimizer = self.strategy.initialize_for_training(objects[m], optimizer, self.training_steps)
         objects[m] = engine
         wrapped = EngineOptimizer(ds_optimizer, self)
         self._optimizers.append(wrapped)
@@ -234,8 +227,12 @@ class Engine:
         """Backward of ``loss`` as given: accumulation normalisation is the caller's (never divided here)."""
         learning_rate = kwargs.pop("learning_rate", None)
         kwargs.pop("scale_wrt_gas", None)
-        if self.strategy.owns_accumulation:
-            self._deepspeed_backward(loss)
+        if self.strategy.owns_accumulation:  # DeepSpeed: backward and step in one, at our sync boundary
+            boundary = self.gradient_state.sync_gradients
+            skipped = self.strategy.backward_and_step(loss, boundary=boundary)
+            if boundary:
+                self.step_was_skipped = skipped
+                self.skipped_steps += int(skipped)
             return
         if learning_rate is not None:
             lomo = [o.optimizer for o in self._optimizers if hasattr(o.optimizer, "fused_backward")]
@@ -243,19 +240,6 @@ class Engine:
                 lomo[0].fused_backward(loss, learning_rate)
                 return
         self.strategy.backward(self.precision.scale(loss), **kwargs)
-
-    def _deepspeed_backward(self, loss: torch.Tensor) -> None:
-        """Backward and step through DeepSpeed's engine; the boundary is ours (the caller's sync), not its count."""
-        engine = self.strategy.engine
-        boundary = self.gradient_state.sync_gradients
-        engine.set_gradient_accumulation_boundary(boundary)
-        before = getattr(engine, "skipped_steps", 0)
-        self.strategy.backward(loss)
-        self.strategy.step()
-        if boundary:
-            skipped = getattr(engine, "skipped_steps", 0) > before  # fp16 overflow: DeepSpeed skipped the step
-            self.step_was_skipped = skipped
-            self.skipped_steps += int(skipped)
 
     def unscale_gradients(self) -> None:
         for optimizer in self._optimizers:

@@ -59,6 +59,11 @@ class Strategy:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loss.backward(**kwargs)
 
+    def backward_and_step(self, loss: torch.Tensor, boundary: bool) -> bool:
+        """Backends that own accumulation (``owns_accumulation``): backward, then step at ``boundary``;
+        returns True when the step was skipped (fp16 overflow)."""
+        raise NotImplementedError(f"strategy {self.name!r} leaves the optimizer step to the caller")
+
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:

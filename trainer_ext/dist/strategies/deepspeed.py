@@ -169,6 +169,18 @@ class DeepSpeedStrategy(Strategy):
         self._grad_norm = None
         return engine, ds_optimizer, ds_scheduler
 
+    def initialize_for_training(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
+    ) -> tuple[Any, Any]:
+        """Fill the model- and schedule-derived ``"auto"`` values, then :meth:`initialize`; returns
+        ``(engine, optimizer)``. An ``optimizer`` block in the config wins over ``optimizer`` (left unused)."""
+        steps, warmup = training_steps or (None, None)
+        self.hf_config.finalize(
+            hidden_size=deepspeed_config.model_hidden_size(model), num_training_steps=steps, num_warmup_steps=warmup
+        )
+        engine, ds_optimizer, _ = self.initialize(model, None if "optimizer" in self.config else optimizer)
+        return engine, ds_optimizer
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """An engine without optimizer (evaluation, ZeRO-3 inference); train through :meth:`initialize`."""
         if is_engine(model):
@@ -203,6 +215,16 @@ class DeepSpeedStrategy(Strategy):
         """
         kwargs.setdefault("scale_wrt_gas", False)
         self._engine().backward(loss, **kwargs)
+
+    def backward_and_step(self, loss: torch.Tensor, boundary: bool) -> bool:
+        """Backward and step with the accumulation boundary set by the caller (its sync flag), not DeepSpeed's
+        count, so a shorter last window steps too; True when DeepSpeed skipped the step (fp16 overflow)."""
+        engine = self._engine()
+        engine.set_gradient_accumulation_boundary(boundary)
+        before = getattr(engine, "skipped_steps", 0)
+        self.backward(loss)
+        self.step()
+        return boundary and getattr(engine, "skipped_steps", 0) > before
 
     def step(self) -> None:
         """``engine.step()`` after every micro-batch; at the boundary it clips, steps the optimizer and
