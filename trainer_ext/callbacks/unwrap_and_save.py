@@ -45,17 +45,30 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, set[str]], str]:
-    """Names and shapes the saved files must hold, names that share storage (tied), and the weights file name."""
-    if is_peft_model(model) or getattr(model, "_hf_peft_config_loaded", False):
-        # NOTE: not exercised in our tests (peft is not a dependency): the adapter as PEFT saves it
-        if is_peft_model(model):
-            from peft import get_peft_model_state_dict
+def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state.items()}
 
-            state = get_peft_model_state_dict(model)
-        else:
-            state = model.get_adapter_state_dict()
-        return {k: tuple(v.shape) for k, v in state.items()}, {}, ADAPTER_FILE
+
+def _adapter_tensors(model: torch.nn.Module) -> dict[str, dict[str, tuple[int, ...]]] | None:
+    """Names and shapes of each adapter a PEFT model saves, by the sub-folder it goes to; None without adapters.
+
+    ``PeftModel.save_pretrained`` writes every adapter, the one named ``default`` at the top and each other one in a
+    sub-folder of its name; a transformers model with ``add_adapter`` writes its active adapter at the top.
+    """
+    if is_peft_model(model):
+        from peft import get_peft_model_state_dict  # peft is installed: the model is one of its classes
+
+        return {
+            "" if name == "default" else name: _shapes(get_peft_model_state_dict(model, adapter_name=name))
+            for name in model.peft_config
+        }
+    if getattr(model, "_hf_peft_config_loaded", False):  # saved in PEFT's format: names under its wrapper's prefix
+        return {"": {f"base_model.model.{k}": v for k, v in _shapes(model.get_adapter_state_dict()).items()}}
+    return None
+
+
+def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, set[str]]]:
+    """Names and shapes ``save_pretrained`` writes for a whole model, and the names that share storage (tied)."""
     state = model.state_dict(keep_vars=True)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
@@ -71,8 +84,8 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
         meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
         converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save
         if converted is not None and set(converted) != set(meta):
-            return {k: tuple(v.shape) for k, v in converted.items()}, tied, MODEL_FILE
-    return shapes, tied, MODEL_FILE
+            return _shapes(converted), tied
+    return shapes, tied
 
 
 def saved_tensors(folder: str | os.PathLike, weights_file: str = MODEL_FILE) -> dict[str, tuple[int, ...]]:
@@ -93,29 +106,46 @@ def saved_tensors(folder: str | os.PathLike, weights_file: str = MODEL_FILE) -> 
     return shapes
 
 
-def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:
-    """Raise :class:`SavedModelMismatchError` unless ``folder`` reloads into ``model``'s parameter names and shapes.
-
-    A tied weight (sharing storage with another) may be missing from the files when one of its group is there:
-    ``save_pretrained`` keeps one copy.
-    """
-    expected, tied, weights_file = _expected_tensors(model)
-    saved = saved_tensors(folder, weights_file)
+def _compare(
+    folder: Path, expected: dict[str, tuple[int, ...]], tied: dict[str, set[str]], weights_file: str
+) -> list[str]:
+    """What is missing, unexpected or of the wrong shape in one folder's weights."""
+    try:
+        saved = saved_tensors(folder, weights_file)
+    except SavedModelMismatchError as e:
+        return [str(e)]
     missing = sorted(k for k in expected.keys() - saved.keys() if not tied.get(k, set()) & saved.keys())
     extra = sorted(saved.keys() - expected.keys())
     common = expected.keys() & saved.keys()
     wrong = sorted(
         f"{k}: saved {list(saved[k])}, model {list(expected[k])}" for k in common if saved[k] != expected[k]
     )
-    problems = [
+    return [
         f"{label} ({len(items)}): {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
         for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong))
         if items
     ]
-    config_file = "adapter_config.json" if weights_file == ADAPTER_FILE else "config.json"
-    if hasattr(model, "config") and not (Path(folder) / config_file).is_file():
-        problems.append(f"no {config_file}")
-    if processing_class is not None and not any((Path(folder) / f).is_file() for f in PROCESSING_FILES):
+
+
+def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:
+    """Raise :class:`SavedModelMismatchError` unless ``folder`` reloads into ``model``'s parameter names and shapes.
+
+    A tied weight (sharing storage with another) may be missing from the files when one of its group is there:
+    ``save_pretrained`` keeps one copy. A PEFT model is checked as its adapters, each in the folder PEFT gives it.
+    """
+    folder = Path(folder)
+    adapters = _adapter_tensors(model)
+    problems: list[str] = []
+    if adapters is None:
+        problems += _compare(folder, *_expected_tensors(model), MODEL_FILE)
+        if hasattr(model, "config") and not (folder / "config.json").is_file():
+            problems.append("no config.json")
+    for sub, expected in (adapters or {}).items():
+        where, label = folder / sub, f"adapter {sub}: " if sub else ""
+        problems += [label + p for p in _compare(where, expected, {}, ADAPTER_FILE)]
+        if not (where / "adapter_config.json").is_file():
+            problems.append(f"{label}no adapter_config.json")
+    if processing_class is not None and not any((folder / f).is_file() for f in PROCESSING_FILES):
         problems.append(f"no tokenizer/processor files (looked for {', '.join(PROCESSING_FILES)})")
     if problems:
         raise SavedModelMismatchError(
