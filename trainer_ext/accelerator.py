@@ -12,11 +12,13 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from .checkpointing.marker import COMPLETE
 from .dist import checkpoint
 from .dist.data import skip_first_batches as _skip_first_batches
 from .dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
@@ -27,7 +29,7 @@ from .dist.sharded_checkpoint import export_consolidated
 from .dist.state import DistributedType, DistState
 from .dist.strategies.fsdp import is_sharded
 from .errors import ConfigError
-from .trackers import TRACKERS, Tracker, resolve_trackers
+from .trackers import TRACKERS, BlankTracker, Tracker, resolve_trackers
 
 # What `trainer-ext launch` exports for scripts (the launcher's own variables).
 _ENV_PRECISION = "ACCELERATE_MIXED_PRECISION"
@@ -63,8 +65,8 @@ class PreparedScheduler:
         return getattr(self.scheduler, name)
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr")
 
 
 class Accelerator:
@@ -144,27 +146,32 @@ class Accelerator:
 
     # -- prepare --------------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
-        """Models, optimizers, dataloaders and LR schedulers, in any order and number; same arity back."""
+        """Models, optimizers, dataloaders and LR schedulers, in any order and number; same arity back.
+
+        Models are prepared first whatever the order given (FSDP replaces their parameters and the optimizers
+        are pointed at the replacements), schedulers last.
+        """
         placement = device_placement or [self.engine.device_placement] * len(objects)
-        schedulers = [
-            isinstance(o, torch.optim.lr_scheduler.LRScheduler) or hasattr(o, "get_last_lr") for o in objects
-        ]
+        if len(placement) != len(objects):
+            raise ConfigError(
+                f"prepare: device_placement has {len(placement)} entries for {len(objects)} objects; give one "
+                "True/False per object, in the same order"
+            )
+        schedulers = [_is_scheduler(o) for o in objects]
+        rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
+        places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
         if self.engine.strategy.joint_prepare:  # DeepSpeed: model and optimizer in one call, config resolved first
             self._resolve_deepspeed(objects)
-            rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
-            places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
-            prepared = iter(_as_tuple(self.engine.prepare(*rest, device_placement=places)) if rest else ())
-            out = [
-                self.prepare_scheduler(o) if s else next(prepared) for o, s in zip(objects, schedulers, strict=True)
-            ]
-            return out[0] if len(out) == 1 else tuple(out)
-        out = []
-        for obj, place, is_scheduler in zip(objects, placement, schedulers, strict=True):
-            if is_scheduler:
-                out.append(self.prepare_scheduler(obj))
-            else:
-                out.append(self.engine.prepare(obj, device_placement=[place]))
+        prepared = self.engine.prepare(*rest, device_placement=places) if rest else ()
+        self._adopt_optimizers()
+        remaining = iter((prepared,) if len(rest) == 1 else prepared)
+        out = [self.prepare_scheduler(o) if s else next(remaining) for o, s in zip(objects, schedulers, strict=True)]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _adopt_optimizers(self) -> None:
+        """Point optimizers prepared before their model (an earlier ``prepare`` call) at its sharded parameters."""
+        for optimizer in self.engine._optimizers:
+            self.engine.strategy.adopt_optimizer(optimizer.optimizer)
 
     def _resolve_deepspeed(self, objects: tuple[Any, ...]) -> None:
         """Fill the DeepSpeed config's ``"auto"`` values from what is being prepared (batch size, optimizer)."""
@@ -192,7 +199,9 @@ class Accelerator:
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        return self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        model = self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._adopt_optimizers()
+        return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.engine.prepare_optimizer(optimizer)
@@ -304,24 +313,40 @@ class Accelerator:
         return self.engine.get_state_dict(model, unwrap=unwrap)
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Save ``obj`` from the main process only (safetensors for a dict of tensors when asked)."""
+        """Save ``obj`` from the main process only: ``torch.save``, or safetensors for a dict of tensors."""
         if not self.is_main_process:
             return
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in obj.items()}, str(f))
-        else:
+        if not safe_serialization:
             torch.save(obj, f)
+            return
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise ConfigError(
+                f"save(safe_serialization=True) writes a dict of tensors, got {type(obj).__name__}; pass a state "
+                "dict, or safe_serialization=False for other objects (torch.save)"
+            )
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
 
     def save_model(
-        self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB"
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: str | int = "10GB",
+        safe_serialization: bool = True,
     ) -> None:
         """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
 
         All ranks call it; an FSDP-sharded model is gathered one tensor at a time (never whole on one rank).
         """
         from .saving import save_model
+
+        if not safe_serialization:  # transformers 5 dropped pickled weights from save_pretrained as well
+            raise ConfigError(
+                "save_model(safe_serialization=False) is not supported: models are written as safetensors only "
+                "(from_pretrained and safetensors.torch.load_file read them); drop the argument, or use "
+                "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
+            )
 
         unwrapped = self.unwrap_model(model, keep_torch_compile=False)
         if self.engine.strategy.joint_prepare:  # DeepSpeed: gathered under ZeRO-3 on every rank, checked whole
@@ -355,19 +380,30 @@ class Accelerator:
             "deepspeed": self.engine.strategy if self.engine.strategy.joint_prepare else None,
         }
 
+    def _checkpoints_root(self, call: str) -> Path:
+        if self.project_dir is None:
+            raise ConfigError(f"{call} needs a directory, or project_dir=... set on the Accelerator")
+        return Path(self.project_dir) / "checkpoints"
+
     def save_state(self, output_dir: str | os.PathLike | None = None) -> str:
-        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions."""
+        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions.
+
+        Without ``output_dir``: ``project_dir/checkpoints/checkpoint`` (``load_state()`` finds it).
+        """
         if output_dir is None:
-            if self.project_dir is None:
-                raise ConfigError("save_state() needs an output_dir, or project_dir set on the Accelerator")
-            output_dir = os.path.join(self.project_dir, "checkpoints", "checkpoint")
+            output_dir = self._checkpoints_root("save_state()") / "checkpoint"
         path = checkpoint.save_state(
             output_dir, self.state, **self._checkpoint_objects(), extra={"accumulation_step": self.step}
         )
         return str(path)
 
-    def load_state(self, input_dir: str | os.PathLike) -> None:
-        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order."""
+    def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
+        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order.
+
+        Without ``input_dir``: the newest complete checkpoint under ``project_dir/checkpoints``.
+        """
+        if input_dir is None:
+            input_dir = newest_complete(self._checkpoints_root("load_state()"))
         extra = checkpoint.load_state(input_dir, self.state, **self._checkpoint_objects())
         self.step = int(extra.get("accumulation_step", 0))
 
@@ -389,17 +425,21 @@ class Accelerator:
             self.trackers.append(tracker)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name`` (its backend object with ``unwrap``); where it does not run (other ranks,
+        before ``init_trackers``, no ``log_with``) a blank tracker whose every call does nothing."""
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        if not self.is_main_process:
-            return None
-        raise ConfigError(f"no tracker {name!r} was started; started: {[t.name for t in self.trackers]}")
+        requested = [item if isinstance(item, str) else item.name for item in self._trackers_requested]
+        if requested and name not in requested:  # the same answer on every rank
+            raise ConfigError(f"no tracker {name!r}: log_with asked for {requested}; use one of those names")
+        blank = BlankTracker(name)
+        return blank.tracker if unwrap else blank
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Log to every started tracker (main process only)."""
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, dict] | None = None) -> None:
+        """Log to every started tracker (main process only); ``log_kwargs[name]`` goes to that tracker's call."""
         for tracker in self.trackers:
-            tracker.log(values, step=step)
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def end_training(self) -> None:
         """Finish the trackers and tear the process group down."""
@@ -414,3 +454,14 @@ class Accelerator:
         return self.engine.free_memory(*objects)
 
     clear = free_memory
+
+
+def newest_complete(root: Path) -> Path:
+    """The checkpoint folder under ``root`` committed last (by its ``COMPLETE`` marker); a clear error if none."""
+    found = [d for d in root.iterdir() if (d / COMPLETE).is_file()] if root.is_dir() else []
+    if not found:
+        raise ConfigError(
+            f"load_state(): no complete checkpoint under {str(root)!r}; call save_state() first, or pass the "
+            "checkpoint directory"
+        )
+    return max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))

@@ -3,7 +3,7 @@
 ``python fsdp_jobs.py OUT two`` (2 ranks): DDP and several FSDP2 set-ups on the same data, per-rank parameter
 storage, an interrupted + resumed FSDP run, the consolidated export. ``python fsdp_jobs.py OUT from_one CKPT``
 (2 ranks): resume under FSDP from a checkpoint written by one process without FSDP; ``loop`` (2 ranks):
-hand-written trainer_ext.Accelerator loops. Rank 0 writes the full weights
+hand-written trainer_ext.Accelerator loops; ``order`` (2 ranks): ``prepare`` given the model after its optimizer. Rank 0 writes the full weights
 (gathered) and ``results.json`` to OUT.
 """
 
@@ -144,6 +144,51 @@ def loop(out: Path) -> None:
         (out / "loop.json").write_text(json.dumps({"distributed_type": str(getattr(kind, "value", kind))}))
 
 
+REORDERED = ("optimizer", "loader", "model", "scheduler")
+
+
+def order(out: Path) -> None:
+    """``prepare(optimizer, loader, model, scheduler)``: under FSDP (and DeepSpeed ZeRO-2 when installed) the same
+    training as the model-first order; an optimizer prepared in an earlier call than its model still trains."""
+    from loops import train_loop
+
+    config = FSDP["fsdp_config"]
+    tensors = {
+        "order_fsdp": train_loop(per_device_batch=1, grad_accum=2, fsdp_config=config)[1],
+        "order_fsdp_reordered": train_loop(per_device_batch=1, grad_accum=2, fsdp_config=config, order=REORDERED)[1],
+    }
+    result = {"separate_calls_changed": separate_calls(config)}
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        result["deepspeed"] = False
+    else:
+        result["deepspeed"] = True
+        ds = str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero2.json")
+        for name, kwargs in (("order_ds", {}), ("order_ds_reordered", {"order": REORDERED})):
+            accelerator, tensors[name], _ = train_loop(per_device_batch=1, grad_accum=2, deepspeed_config=ds, **kwargs)
+            accelerator.engine.free_memory()
+    if dist.get_rank() == 0:
+        for name, values in tensors.items():
+            save_file({k: v.float().contiguous() for k, v in values.items()}, str(out / f"{name}.safetensors"))
+        (out / "order.json").write_text(json.dumps(result))
+
+
+def separate_calls(fsdp_config: dict) -> list[int]:
+    """``prepare(optimizer)`` then ``prepare(model)``: parameters changed by one step, out of all of them."""
+    from trainer_ext import Accelerator
+
+    accelerator = Accelerator(cpu=True, fsdp_config=fsdp_config)
+    model = tiny_llama(0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model = accelerator.prepare(model)
+    accelerator.backward(model(input_ids=torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss)
+    optimizer.step()
+    after = accelerator.get_state_dict(model)
+    return [sum(not torch.equal(after[n], before[n]) for n in before), len(before)] if after else []
+
+
 def hybrid(out: Path) -> None:
     """4 ranks: DDP against the hybrid_shard preset on a 2 x 2 mesh (2 replicas of 2 shards).
 
@@ -186,6 +231,8 @@ if __name__ == "__main__":
         two(target)
     elif mode == "loop":
         loop(target)
+    elif mode == "order":
+        order(target)
     elif mode == "hybrid":
         hybrid(target)
     else:

@@ -30,7 +30,18 @@ def weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
-def build(accelerator: Accelerator, per_device_batch: int, n: int = 40, epochs: int = 2, lr: float = 1e-2):
+MODEL_FIRST = ("model", "optimizer", "loader", "scheduler")
+
+
+def build(
+    accelerator: Accelerator,
+    per_device_batch: int,
+    n: int = 40,
+    epochs: int = 2,
+    lr: float = 1e-2,
+    order: tuple[str, ...] = MODEL_FIRST,
+):
+    """Model, optimizer, loader and scheduler, given to one ``prepare`` call in ``order``; returned model first."""
     model = tiny_llama(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(
@@ -38,7 +49,9 @@ def build(accelerator: Accelerator, per_device_batch: int, n: int = 40, epochs: 
     )
     steps = epochs * -(-n // (per_device_batch * accelerator.num_processes * accelerator.gradient_accumulation_steps))
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    return accelerator.prepare(model, optimizer, loader, scheduler)
+    objects = {"model": model, "optimizer": optimizer, "loader": loader, "scheduler": scheduler}
+    prepared = dict(zip(order, accelerator.prepare(*(objects[name] for name in order)), strict=True))
+    return tuple(prepared[name] for name in MODEL_FIRST)
 
 
 def train_loop(
@@ -50,6 +63,7 @@ def train_loop(
     resume_from: Path | None = None,
     fsdp_config: dict | None = None,
     deepspeed_config: str | None = None,
+    order: tuple[str, ...] = MODEL_FIRST,
 ) -> tuple[Accelerator, dict[str, torch.Tensor], dict]:
     """The accelerate-example loop: accumulate, backward, clip, step, schedule, zero_grad."""
     accelerator = Accelerator(
@@ -59,7 +73,7 @@ def train_loop(
         fsdp_config=fsdp_config,
         deepspeed_config=deepspeed_config,
     )
-    model, optimizer, loader, scheduler = build(accelerator, per_device_batch, epochs=epochs)
+    model, optimizer, loader, scheduler = build(accelerator, per_device_batch, epochs=epochs, order=order)
     start_epoch, seen = 0, 0
     if resume_from is not None:
         accelerator.load_state(resume_from)

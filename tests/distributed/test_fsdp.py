@@ -143,6 +143,35 @@ def test_accelerator_loop_under_fsdp(loop_ranks: Path) -> None:
     assert _max_diff(dict(exported), fsdp) == 0.0
 
 
+@pytest.fixture(scope="module")
+def order_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_order")
+    run_ranks(HERE / "fsdp_jobs.py", 2, str(out), "order", timeout=600)
+    return out
+
+
+def test_prepare_shards_the_model_first_whatever_the_order(order_ranks: Path) -> None:
+    """``prepare(optimizer, loader, model, scheduler)`` trains exactly like ``prepare(model, optimizer, ...)``:
+    the optimizer is pointed at the sharded parameters (before the fix it kept the unsharded ones: nothing moved)."""
+    model_first = load_file(str(order_ranks / "order_fsdp.safetensors"))
+    reordered = load_file(str(order_ranks / "order_fsdp_reordered.safetensors"))
+    start = tiny_llama(0).state_dict()
+    assert all(not torch.equal(reordered[k], start[k]) for k in reordered), "every parameter must train"
+    assert _max_diff(reordered, model_first) == 0.0
+    changed, total = json.loads((order_ranks / "order.json").read_text())["separate_calls_changed"]
+    assert changed == total == 21, "prepare(optimizer) then prepare(model): the optimizer follows the shards"
+
+
+def test_deepspeed_prepare_order_does_not_matter(order_ranks: Path) -> None:
+    """DeepSpeed builds one engine from the model and optimizer wherever they stand in the ``prepare`` call."""
+    if not json.loads((order_ranks / "order.json").read_text())["deepspeed"]:
+        pytest.skip("deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
+    model_first = load_file(str(order_ranks / "order_ds.safetensors"))
+    reordered = load_file(str(order_ranks / "order_ds_reordered.safetensors"))
+    assert _max_diff(model_first, tiny_llama(0).state_dict()) > 1e-2
+    assert _max_diff(reordered, model_first) == 0.0
+
+
 def test_bf16_policy_trains(two_ranks: Path) -> None:
     """--bf16 under FSDP: bf16 compute through the mixed-precision policy, fp32 sharded master weights."""
     results = json.loads((two_ranks / "results.json").read_text())
