@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from ..errors import ConfigError, did_you_mean
 from .base import Tracker
+from .blank import BlankTracker
 from .mlflow import MLflowTracker
 from .tensorboard import TensorBoardTracker
 from .trackio import TrackioTracker
@@ -42,6 +43,7 @@ def resolve_trackers(log_with: str | Tracker | Iterable[str | Tracker] | None) -
 
 __all__ = [
     "TRACKERS",
+    "BlankTracker",
     "MLflowTracker",
     "TensorBoardTracker",
     "Tracker",

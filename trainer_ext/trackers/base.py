@@ -40,7 +40,8 @@ class Tracker:
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Log ``values`` at ``step``; ``kwargs`` go to the backend's own logging call (``log_kwargs``)."""
         raise NotImplementedError
 
     def finish(self) -> None:

@@ -34,8 +34,8 @@ class MLflowTracker(Tracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self.mlflow.log_params({k: str(v)[:500] for k, v in values.items()})
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        self.mlflow.log_metrics(scalars(values), step=step)
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.mlflow.log_metrics(scalars(values), step=step, **kwargs)
 
     def finish(self) -> None:
         self.mlflow.end_run()

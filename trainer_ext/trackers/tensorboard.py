@@ -28,12 +28,13 @@ class TensorBoardTracker(Tracker):
         )
         self.writer.flush()
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Strings as text, numbers as scalars; ``kwargs`` (``walltime`` …) go to ``add_text``/``add_scalar``."""
         for key, value in values.items():
             if isinstance(value, str):
-                self.writer.add_text(key, value, global_step=step)
+                self.writer.add_text(key, value, global_step=step, **kwargs)
         for key, value in scalars(values).items():
-            self.writer.add_scalar(key, value, global_step=step)
+            self.writer.add_scalar(key, value, global_step=step, **kwargs)
         self.writer.flush()
 
     def finish(self) -> None:

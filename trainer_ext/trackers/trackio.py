@@ -25,8 +25,8 @@ class TrackioTracker(Tracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self.run.config.update(values)
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        self.module.log(values, step=step)
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.module.log(values, step=step, **kwargs)
 
     def finish(self) -> None:
         self.module.finish()

@@ -26,8 +26,8 @@ class WandBTracker(Tracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self.run.config.update(values, allow_val_change=True)
 
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        self.run.log(values, step=step)
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.run.log(values, step=step, **kwargs)
 
     def finish(self) -> None:
         self.run.finish()
