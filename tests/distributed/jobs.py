@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -121,14 +122,36 @@ def eval_job(out: Path, n: int = 7) -> dict:
     return {"metrics": result, "predictions": np.asarray(predictions)}
 
 
-def accumulation_parity_job(
-    out: Path, per_device_batch: int, grad_accum: int, bf16: bool = False
-) -> tuple[dict[str, torch.Tensor], dict]:
+class FirstStepGradients(TrainerCallback):
+    """Keeps the gradients the first optimizer step sees: accumulated, all-reduced, not yet applied."""
+
+    def __init__(self) -> None:
+        self.gradients: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.gradients:
+            self.gradients = {
+                name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+            }
+
+
+class ParityRun(NamedTuple):
+    """Final weights, the first step's gradients and the logged figures of one parity run."""
+
+    weights: dict[str, torch.Tensor]
+    gradients: dict[str, torch.Tensor]
+    info: dict
+
+
+def accumulation_parity_job(out: Path, per_device_batch: int, grad_accum: int, bf16: bool = False) -> ParityRun:
     """Causal LM on variable-length, right-padded sequences: 12 optimizer steps of 8 samples each.
 
     The loss of a window is normalised by its target tokens over all micro-batches and ranks, so any
-    world size x micro-batch x accumulation with the same global batch must give the same weights.
+    world size x micro-batch x accumulation with the same global batch must give the same gradients.
+    Plain SGD without clipping: a wrong constant factor on the gradients changes the weights too
+    (AdamW and clipping would hide it).
     """
+    gradients = FirstStepGradients()
     trainer = Trainer(
         model=tiny_llama(0),
         args=make_args(
@@ -136,18 +159,44 @@ def accumulation_parity_job(
             per_device_train_batch_size=per_device_batch,
             gradient_accumulation_steps=grad_accum,
             bf16=bf16,
-            learning_rate=3e-3,
+            optim="sgd",
+            learning_rate=0.5,
+            max_grad_norm=0.0,
         ),
         train_dataset=ragged_lm_dataset(48, seed=11),
         data_collator=pad_right,
+        callbacks=[gradients],
     )
     trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
     info = {
         "global_step": trainer.state.global_step,
         "scheduler_steps": trainer.lr_scheduler.last_epoch,
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "losses": [h["loss"] for h in logs],
+        "grad_norms": [h["grad_norm"] for h in logs],
     }
-    return weights(trainer), info
+    return ParityRun(weights(trainer), gradients.gradients, info)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def parity_errors(run: ParityRun, reference: ParityRun) -> dict[str, float]:
+    """How far a split run is from the 1-rank big-batch reference: gradients, weights, logged losses and norms."""
+    assert len(run.info["losses"]) == run.info["global_step"], "one logged loss per optimizer step"
+
+    def logged(key: str) -> float:
+        return max(abs(a - b) for a, b in zip(run.info[key], reference.info[key], strict=True))
+
+    return {
+        "gradients": max_abs_diff(run.gradients, reference.gradients),
+        "weights": max_abs_diff(run.weights, reference.weights),
+        "losses": logged("losses"),
+        "grad_norms": logged("grad_norms"),
+    }
 
 
 class AllReduceCounter(TrainerCallback):
@@ -213,14 +262,15 @@ def main(out: str) -> None:
     parity = parity_job(out_dir / "parity", per_device_batch=2)
     resume = resume_jobs(out_dir / "resume", per_device_batch=2, grad_accum=1, stop=4)
     evaluation = eval_job(out_dir / "eval")
-    ga_fp32, ga_fp32_info = accumulation_parity_job(out_dir / "ga_fp32", per_device_batch=2, grad_accum=2)
-    ga_bf16, ga_bf16_info = accumulation_parity_job(out_dir / "ga_bf16", per_device_batch=2, grad_accum=2, bf16=True)
+    ga_fp32 = accumulation_parity_job(out_dir / "ga_fp32", per_device_batch=2, grad_accum=2)
+    ga_bf16 = accumulation_parity_job(out_dir / "ga_bf16", per_device_batch=2, grad_accum=2, bf16=True)
     allreduce = allreduce_count_job(out_dir / "allreduce")
     compiled = compile_job(out_dir / "compile")
     reloaded = reloaded_args_job(out_dir / "resume" / "part" / "checkpoint-4")
     if rank == 0:
-        save_file(ga_fp32, str(out_dir / "ga_fp32.safetensors"))
-        save_file(ga_bf16, str(out_dir / "ga_bf16.safetensors"))
+        for name, run in (("ga_fp32", ga_fp32), ("ga_bf16", ga_bf16)):
+            save_file(run.weights, str(out_dir / f"{name}.safetensors"))
+            save_file(run.gradients, str(out_dir / f"{name}_gradients.safetensors"))
         save_file(parity, str(out_dir / "parity.safetensors"))
         save_file(resume["full"], str(out_dir / "resume_full.safetensors"))
         save_file(resume["resumed"], str(out_dir / "resume_resumed.safetensors"))
@@ -229,8 +279,8 @@ def main(out: str) -> None:
             "resume": resume["info"],
             "eval": evaluation["metrics"],
             "world_size": int(os.environ["WORLD_SIZE"]),
-            "ga_fp32": ga_fp32_info,
-            "ga_bf16": ga_bf16_info,
+            "ga_fp32": ga_fp32.info,
+            "ga_bf16": ga_bf16.info,
             "allreduce": allreduce,
             "compile": compiled,
             "reloaded_args": reloaded,
