@@ -10,7 +10,7 @@ import jobs
 import pytest
 import torch
 from tiny import lm_dataset, tiny_llama
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
 
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.callbacks.run_summary import run_summary
@@ -40,14 +40,47 @@ def test_accumulation_equals_one_big_batch_on_ragged_batches(tmp_path: Path) -> 
     assert acc.info["scheduler_steps"] == 12, "the LR schedule counts optimizer steps, not micro-batches"
 
 
+class LastWindow(TrainerCallback):
+    """Records every micro-batch's input ids, and the weights and gradients the last optimizer step sees."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.batches: list[torch.Tensor] = []
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        self.batches.append(kwargs["input_ids"].detach().clone())
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.gradients = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
 def test_shorter_last_window_is_normalised_by_its_own_tokens(tmp_path: Path) -> None:
-    """10 micro-batches per epoch with accumulation 4: windows of 4, 4, 2; the last is not over-weighted."""
-    args = jobs.make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=1)
-    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(20))
+    """10 micro-batches per epoch with accumulation 4: windows of 4, 4, 2; the last is not over-weighted.
+
+    Its logged loss and its gradient must be those of one forward over its own 2 micro-batches (the
+    token mean over its 4 sequences), recomputed here from the weights the step started from.
+    """
+    model = tiny_llama(0)
+    recorder = LastWindow(model)
+    args = jobs.make_args(
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=1, max_grad_norm=0.0
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(20), callbacks=[recorder])
     trainer.train()
-    assert trainer.state.global_step == 3
+    assert trainer.state.global_step == 3 and len(recorder.batches) == 10
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 3 and all(1.0 < loss < 6.0 for loss in losses), losses  # a mean, not a sum
+
+    reference = tiny_llama(0)
+    reference.load_state_dict(recorder.weights)
+    window = torch.cat(recorder.batches[-2:])
+    assert window.shape == (4, 12)
+    expected = reference(input_ids=window, labels=window).loss  # mean over the window's 4 x 11 targets
+    expected.backward()
+    assert abs(losses[-1] - expected.item()) < 1e-5, (losses, expected.item())
+    grad_error = max(float((p.grad - recorder.gradients[n]).abs().max()) for n, p in reference.named_parameters())
+    assert grad_error < 1e-6, grad_error
+    assert max(float(p.grad.abs().max()) for p in reference.parameters()) > 1e-2
 
 
 def test_classifier_whose_loss_ignores_num_items_is_averaged(tmp_path: Path, caplog) -> None:
