@@ -162,3 +162,144 @@ def test_trackio_tracker_writes_locally(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(tmp_path.rglob("demo-project*.db"))
+
+
+def test_get_tracker_is_blank_where_no_tracker_runs(tmp_path: Path) -> None:
+    """accelerate's blank tracker: ``get_tracker(name).log(...)`` is safe on every rank and before init_trackers."""
+    untracked = Accelerator(cpu=True)
+    for blank in (
+        untracked.get_tracker("wandb"),
+        Accelerator(cpu=True, log_with="tensorboard").get_tracker("tensorboard"),
+    ):
+        assert blank.log({"loss": 1.0}, step=3, commit=False) is None
+        assert blank.store_init_configuration({"lr": 0.1}) is None and blank.finish() is None
+    backend = untracked.get_tracker("wandb", unwrap=True)
+    assert backend.log({"loss": 1.0}) is None and backend.config.update({"lr": 0.1}) is None
+    assert backend.add_scalar("loss", 1.0, global_step=2) is None
+    untracked.log({"loss": 1.0}, step=1, log_kwargs={"wandb": {"commit": False}})  # no tracker: nothing happens
+    with pytest.raises(ConfigError, match=r"no tracker 'wandb': log_with asked for \['tensorboard'\]"):
+        Accelerator(cpu=True, log_with="tensorboard", project_dir=tmp_path).get_tracker("wandb")
+
+
+def test_log_kwargs_reach_the_tracker(tmp_path: Path) -> None:
+    if not TRACKERS["tensorboard"].available():
+        pytest.skip("tensorboard not installed (dev extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=tmp_path)
+    accelerator.init_trackers("demo")
+    accelerator.log({"loss": 2.0}, step=4, log_kwargs={"tensorboard": {"walltime": 123.0}, "wandb": {"x": 1}})
+    accelerator.end_training()
+    events = EventAccumulator(str(next((tmp_path / "demo").glob("events.out.tfevents*"))))
+    events.Reload()
+    [event] = events.Scalars("loss")
+    assert (event.step, event.value, event.wall_time) == (4, 2.0, 123.0)
+
+
+def test_save_writes_torch_or_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    accelerator = Accelerator(cpu=True)
+    state = {"weight": torch.arange(6.0).reshape(2, 3).t(), "step": torch.tensor(7)}  # a non-contiguous view
+    accelerator.save({"state": state, "note": "any object"}, tmp_path / "obj.pt")
+    assert torch.load(tmp_path / "obj.pt", weights_only=True)["note"] == "any object"
+    accelerator.save(state, tmp_path / "state.safetensors", safe_serialization=True)
+    loaded = load_file(str(tmp_path / "state.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    with pytest.raises(ConfigError, match="dict of tensors, got list"):
+        accelerator.save([torch.ones(1)], tmp_path / "bad.safetensors", safe_serialization=True)
+    with pytest.raises(ConfigError, match="safetensors only"):
+        accelerator.save_model(torch.nn.Linear(2, 2), tmp_path / "model", safe_serialization=False)
+    assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_scheduler_steps_once_per_call_when_not_tied_to_the_optimizer() -> None:
+    """step_scheduler_with_optimizer=False (accelerate's meaning): every ``scheduler.step()`` call steps it."""
+    steps = {}
+    for tied in (True, False):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, step_scheduler_with_optimizer=tied)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=2), scheduler
+        )
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).sum())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        steps[tied] = scheduler.scheduler.last_epoch
+    assert steps == {True: 2, False: 4}  # 4 micro-batches, 2 optimizer steps
+
+
+def test_device_placement_false_leaves_models_and_batches_where_they_are() -> None:
+    """Meta tensors cannot be copied to the CPU: preparing them only works when nothing is moved."""
+    batches = torch.utils.data.DataLoader(
+        range(4), batch_size=2, collate_fn=lambda rows: torch.empty(2, device="meta")
+    )
+    accelerator = Accelerator(cpu=True, device_placement=False)
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    model, loader = accelerator.prepare(model, batches)
+    assert model.weight.device.type == "meta"
+    assert [batch.device.type for batch in loader] == ["meta", "meta"]
+    placed = Accelerator(cpu=True)
+    with pytest.raises(NotImplementedError, match="meta"):
+        list(placed.prepare(batches))
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    assert placed.prepare(model, device_placement=[False]).weight.device.type == "meta"
+    with pytest.raises(ConfigError, match="device_placement has 2 entries for 1 objects"):
+        placed.prepare(model, device_placement=[False, True])
+
+
+def test_one_rank_save_state_resume_mid_epoch_is_bitwise(tmp_path: Path) -> None:
+    """Stopped after 3 of 10 batches of the first epoch, saved, resumed: the uninterrupted loop's weights, bit for bit."""
+    _, full, full_info = loops.train_loop(per_device_batch=2)
+    loops.train_loop(per_device_batch=2, stop_after=3, save_to=tmp_path / "state")
+    _, resumed, info = loops.train_loop(per_device_batch=2, resume_from=tmp_path / "state")
+    assert info == full_info
+    start = tiny_llama(0).state_dict()
+    assert all(not torch.equal(full[k], start[k]) for k in full)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+class Counter:
+    """A user's object with state (what ``register_for_checkpointing`` is for)."""
+
+    def __init__(self) -> None:
+        self.count, self.best = 0, torch.tensor(float("inf"))
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.best = state["count"], state["best"]
+
+
+def test_register_for_checkpointing_and_load_state_without_a_directory(tmp_path: Path) -> None:
+    """save_state() goes under project_dir/checkpoints; load_state() takes the newest complete one there."""
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path)
+    with pytest.raises(ConfigError, match="no complete checkpoint under"):
+        accelerator.load_state()
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    with pytest.raises(ConfigError, match="object has no state_dict/load_state_dict"):
+        accelerator.register_for_checkpointing(object())
+    counter.count, counter.best = 1, torch.tensor(0.5)
+    accelerator.save_state(tmp_path / "checkpoints" / "older")
+    counter.count, counter.best = 5, torch.tensor(0.25)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    assert accelerator.save_state() == str(tmp_path / "checkpoints" / "checkpoint")
+    (tmp_path / "checkpoints" / "interrupted").mkdir()  # newer, but never committed: no COMPLETE marker
+    counter.count, counter.best = 0, torch.tensor(9.0)
+    torch.nn.init.zeros_(model.weight)
+    accelerator.load_state()
+    assert counter.count == 5 and counter.best.item() == 0.25
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ConfigError, match="needs a directory, or project_dir"):
+        Accelerator(cpu=True).load_state()
