@@ -88,25 +88,38 @@ def test_train_evaluate_predict_save_and_reload(tmp_path: Path) -> None:
 
 
 def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path: Path) -> None:
-    """The best checkpoint is chosen by eval loss and its weights are the ones left in the model."""
+    """The metric peaks at epoch 2 of 3: that checkpoint's weights, not the last epoch's, end in the model."""
+    scores = iter([0.2, 0.9, 0.5])  # one per evaluation, so the best checkpoint is not the newest
+
+    def peak_at_epoch_two(prediction) -> dict[str, float]:
+        return {"score": next(scores)}
+
     args = jobs.make_args(
         tmp_path,
         num_train_epochs=3,
-        learning_rate=0.3,  # large enough that the loss bounces, so the best is not always the last
         eval_strategy="epoch",
         save_strategy="epoch",
         load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
+        metric_for_best_model="score",
+        greater_is_better=True,
     )
-    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(8), eval_dataset=lm_dataset(4, 9))
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=args,
+        train_dataset=lm_dataset(8),
+        eval_dataset=lm_dataset(4, 9),
+        compute_metrics=peak_at_epoch_two,
+    )
     trainer.train()
-    history = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
-    best = Path(trainer.state.best_model_checkpoint)
-    assert best.name == f"checkpoint-{(history.index(min(history)) + 1) * 4}"
-    best_weights = LlamaForCausalLM.from_pretrained(str(best)).state_dict()
+    assert [h["eval_score"] for h in trainer.state.log_history if "eval_score" in h] == [0.2, 0.9, 0.5]
+    assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-8"
+    best = LlamaForCausalLM.from_pretrained(str(tmp_path / "checkpoint-8")).state_dict()
+    last = LlamaForCausalLM.from_pretrained(str(tmp_path / "checkpoint-12")).state_dict()
     final = trainer.accelerator.unwrap_model(trainer.model).state_dict()
-    for name, value in best_weights.items():
+    assert best.keys() == final.keys()
+    for name, value in best.items():
         assert torch.equal(value, final[name]), name
+    assert jobs.max_abs_diff(last, final) > 1e-3, "the last epoch's weights must differ for the test to mean anything"
 
 
 @pytest.mark.compat
