@@ -1,6 +1,6 @@
 """The benchmark suite: one model, one data set, trained by each runner; a table of speed and memory.
 
-    python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--json out.json]
+    python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--torch_compile] [--json out.json]
 
 Runners: a plain PyTorch loop (the reference), ``trainer_ext.Accelerator`` in a hand-written loop,
 ``trainer_ext.Trainer``, and transformers' stock Trainer when accelerate happens to be installed.
@@ -87,13 +87,17 @@ def _sync_fn(device: Any) -> Any:
     return torch.cuda.synchronize if device.type == "cuda" else None
 
 
-def run_plain(cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> dict[str, float]:
+def run_plain(
+    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
+) -> dict[str, float]:
     import torch
     from transformers import get_linear_schedule_with_warmup
 
     clock = _Clock(warmup)
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     model.to(device).train()
+    if compile_model:
+        model.compile()
     loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"], pin_memory=device.type == "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
@@ -111,15 +115,19 @@ def run_plain(cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: b
     return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
 
 
-def run_accelerator(cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> dict[str, float]:
+def run_accelerator(
+    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
+) -> dict[str, float]:
     import torch
     from transformers import get_linear_schedule_with_warmup
 
+    clock = _Clock(warmup)  # the framework's import is part of its time to the first step
     from trainer_ext import Accelerator
 
-    clock = _Clock(warmup)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if bf16 else "no")
     model, data = _model_and_data(cfg, steps * cfg["batch"])
+    if compile_model:
+        model.compile()
     loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
@@ -138,17 +146,23 @@ def run_accelerator(cfg: dict[str, Any], steps: int, warmup: int, device: Any, b
 
 
 def run_trainer(
-    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, stock: bool = False
+    cfg: dict[str, Any],
+    steps: int,
+    warmup: int,
+    device: Any,
+    bf16: bool,
+    compile_model: bool = False,
+    stock: bool = False,
 ) -> dict[str, float]:
     import transformers
 
+    clock = _Clock(warmup)  # the framework's import is part of its time to the first step
     if stock:
         trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
     else:
         from trainer_ext import Trainer as trainer_cls
         from trainer_ext import TrainingArguments as args_cls
 
-    clock = _Clock(warmup)
     sync = _sync_fn(device)
 
     class Tick(transformers.TrainerCallback):
@@ -172,6 +186,7 @@ def run_trainer(
         disable_tqdm=True,
         train_sampling_strategy="sequential",
         use_cpu=device.type == "cpu",
+        torch_compile=compile_model,
     )
     trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[Tick()])
     trainer.train()
@@ -182,7 +197,9 @@ def _child(opts: argparse.Namespace) -> None:
     """Run one runner in this (fresh) process and print its result as JSON on the last line."""
     import resource
 
+    import datasets  # noqa: F401  (every runner needs them: imported before any clock starts)
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
     if device.type == "cuda":
@@ -196,7 +213,7 @@ def _child(opts: argparse.Namespace) -> None:
         "trainer": run_trainer,
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
     }[opts.child]
-    result = runner(cfg, steps, opts.warmup, device, bf16)
+    result = runner(cfg, steps, opts.warmup, device, bf16, opts.torch_compile)
     if device.type == "cuda":
         result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -233,6 +250,8 @@ def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--steps", str(opts.steps)]
     if opts.cpu:
         cmd.append("--cpu")
+    if opts.torch_compile:
+        cmd.append("--torch_compile")
     if opts.bf16 is not None:
         cmd.append("--bf16" if opts.bf16 else "--no-bf16")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -268,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    parser.add_argument("--torch_compile", action="store_true", help="torch.compile the model in every runner")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -289,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"config={opts.config} ({cfg['layers']}x{cfg['hidden_size']}, seq {cfg['seq']}, batch {cfg['batch']}) "
         f"device={device} steps={opts.steps or cfg['steps']} warmup={opts.warmup} best of {opts.repeats}"
+        + (" torch.compile" if opts.torch_compile else "")
     )
     header = (
         f"{'runner':16} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'peak MB':>9} {'first step s':>12} {'MFU':>6}"
@@ -305,7 +326,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     imports = import_times()
     for label, seconds in imports.items():
         print(f"{label:34} {seconds:.2f} s")
-    report = {"config": opts.config, "device": device, "results": results, "import_s": imports}
+    report = {
+        "config": opts.config,
+        "device": device,
+        "torch_compile": opts.torch_compile,
+        "results": results,
+        "import_s": imports,
+    }
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(report, indent=1))

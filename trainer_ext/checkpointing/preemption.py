@@ -54,16 +54,29 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-def _agreed(flag: bool, device: torch.device) -> bool:
-    """True when any rank has the flag set (a one-element max all-reduce; just ``flag`` without a group)."""
+def _host_group() -> Any:
+    """A gloo group for the flag when the default group is NCCL, so the check never syncs the GPU.
+
+    Collective: every rank must call it at the same point (``on_train_begin``). ``None`` means the default
+    group already reduces CPU tensors (gloo), or there is no group at all.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def _agreed(flag: bool, group: Any = None) -> bool:
+    """True when any rank has the flag set: a one-element max all-reduce of a CPU tensor (no device sync)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    value = torch.tensor([1.0 if flag else 0.0], device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 
@@ -73,19 +86,23 @@ class PreemptionCallback(TrainerCallback):
     def __init__(self, device: torch.device, grace_seconds: float, check_every: int = 1) -> None:
         self.flag = PreemptionFlag()
         self.device = device
+        self._group: Any = None
+        self._group_made = False
         self.grace_seconds = grace_seconds
         self.check_every = max(1, check_every)
         self.preempted_at: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.preempted_at = None
+        if not self._group_made:
+            self._group, self._group_made = _host_group(), True
         if not self.flag.install():
             logger.warning("preemption signals are not caught: training does not run in the main thread")
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.check_every:
             return control  # every rank skips the same steps: the reduction stays collective
-        if not _agreed(self.flag.signum is not None, self.device):
+        if not _agreed(self.flag.signum is not None, self._group):
             return control
         if self.flag.signum is not None:
             waited = time.monotonic() - self.flag.received_at

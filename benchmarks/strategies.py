@@ -1,0 +1,333 @@
+"""Distributed strategies: the framework's cost over the raw engine, for DDP, FSDP2 and DeepSpeed ZeRO.
+
+    python -m benchmarks.strategies [--config tiny] [--nproc 2] [--strategies ddp,fsdp,zero2,zero3]
+                                    [--steps N] [--repeats R] [--json out.json]
+
+For each strategy the same model and batches are trained by a hand-written loop on the raw engine (the
+reference: torch ``DistributedDataParallel``, FSDP2 ``fully_shard`` per decoder layer, or
+``deepspeed.initialize``), by ``trainer_ext.Accelerator`` and by ``trainer_ext.Trainer``, each in its own
+``torch.distributed.run`` launch on CPU/gloo (CUDA/NCCL when present and ``--cpu`` is not given). Every
+runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
+The table gives steps/s, the ratio to the raw loop of the same strategy, and the peak resident memory of the
+largest rank. The ratio is the framework's overhead; across strategies, compare memory, not speed (on CPU
+the sharded engines pay for communication that DDP does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.run import CONFIGS, _Clock, _model_and_data, _sync_fn  # noqa: E402
+
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
+FRAMEWORKS = ("raw", "accelerator", "trainer")
+FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
+DS_PRESETS = {
+    "zero2": ROOT / "configs" / "deepspeed" / "zero2.json",
+    "zero3": ROOT / "configs" / "deepspeed" / "zero3.json",
+}
+
+
+def _raw_deepspeed_config(stage: int, batch: int, bf16: bool) -> dict[str, Any]:
+    """What the presets resolve to for this run, written out for the raw DeepSpeed loop."""
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def _loader(data: Any, batch: int, rank: int, world: int) -> Any:
+    """Rank ``rank``'s share of the batches: as many batches of the same size as the frameworks' loaders give it."""
+    import torch
+
+    sampler = torch.utils.data.distributed.DistributedSampler(data, world, rank, shuffle=False)
+    return torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler)
+
+
+def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
+    """The reference: a hand-written loop straight on the engine, no trainer_ext."""
+    import torch
+    import torch.distributed as dist
+    from transformers import get_linear_schedule_with_warmup
+
+    clock = _Clock(warmup)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, data = _model_and_data(cfg, steps * cfg["batch"] * world)
+    model.to(device).train()
+    loader = _loader(data, cfg["batch"], rank, world)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and strategy in ("ddp", "fsdp"))
+    if strategy == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        autocast = torch.autocast(device.type, enabled=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
+    if strategy.startswith("zero"):
+        import deepspeed
+
+        config = _raw_deepspeed_config(int(strategy[-1]), cfg["batch"], bf16)
+        model, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        for batch in loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss = model(**batch).loss
+            model.backward(loss)
+            model.step()  # clips, steps the optimizer and the scheduler, zeroes the gradients
+            clock.tick(_sync_fn(device))
+        return clock
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick(_sync_fn(device))
+    return clock
+
+
+def run_accelerator(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
+    """``trainer_ext.Accelerator`` in the same hand-written loop."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    clock = _Clock(warmup)
+    from trainer_ext import Accelerator
+
+    accelerator = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision="bf16" if bf16 else "no",
+        fsdp_config=str(FSDP_PRESET) if strategy == "fsdp" else None,
+        deepspeed_config=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
+    )
+    model, data = _model_and_data(cfg, steps * cfg["batch"] * accelerator.num_processes)
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        clock.tick(_sync_fn(device))
+    return clock
+
+
+def run_trainer(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
+    """``trainer_ext.Trainer`` with the strategy's preset, as ``trainer-ext train`` would run it."""
+    import transformers
+
+    clock = _Clock(warmup)
+    from trainer_ext import Trainer, TrainingArguments
+
+    sync = _sync_fn(device)
+
+    class Tick(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick(sync)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model, data = _model_and_data(cfg, steps * cfg["batch"] * world)
+    args = TrainingArguments(
+        output_dir=str(ROOT / "benchmarks" / "results" / "trainer_output"),
+        per_device_train_batch_size=cfg["batch"],
+        max_steps=steps,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=bf16,
+        logging_steps=steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        use_cpu=device.type == "cpu",
+        fsdp="full_shard" if strategy == "fsdp" else "",
+        fsdp_config=str(FSDP_PRESET) if strategy == "fsdp" else None,
+        deepspeed=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Tick()])
+    trainer.train()
+    return clock
+
+
+def _child(opts: argparse.Namespace) -> None:
+    """One rank of one run; rank 0 prints the result as JSON on its last line."""
+    import resource
+
+    import datasets  # noqa: F401  (imported before the clock, as in benchmarks.run)
+    import torch
+    import torch.distributed as dist
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and not opts.cpu
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    cfg = CONFIGS[opts.config]
+    steps = opts.steps or cfg["steps"]
+    bf16 = opts.bf16 if opts.bf16 is not None else use_cuda
+    framework, strategy = opts.child.split(":")
+    runner = {"raw": run_raw, "accelerator": run_accelerator, "trainer": run_trainer}[framework]
+    clock = runner(strategy, cfg, steps, opts.warmup, device, bf16)
+    if use_cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_t = torch.tensor([peak], device=device if use_cuda else "cpu")
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        rate = clock.rate()
+        result = {
+            "steps_per_s": rate,
+            "tokens_per_s": rate * cfg["batch"] * cfg["seq"] * world,
+            "first_step_s": clock.first,
+            "peak_memory_mb": float(peak_t.item()),
+            "device": torch.cuda.get_device_name() if use_cuda else "cpu",
+        }
+        print(json.dumps(result), flush=True)
+    dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={opts.nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "-m",
+        "benchmarks.strategies",
+        "--child",
+        name,
+        "--config",
+        opts.config,
+        "--warmup",
+        str(opts.warmup),
+    ]
+    if opts.steps:
+        cmd += ["--steps", str(opts.steps)]
+    if opts.cpu:
+        cmd.append("--cpu")
+    if opts.bf16 is not None:
+        cmd.append("--bf16" if opts.bf16 else "--no-bf16")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not _has_cuda() else "cuda")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"runner {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) per run")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="subset of " + ", ".join(STRATEGIES))
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="subset of " + ", ".join(FRAMEWORKS))
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the rate")
+    parser.add_argument("--repeats", type=int, default=1, help="best of N interleaved runs per runner")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even with GPUs")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.child:
+        _child(opts)
+        return {}
+    strategies = [s.strip() for s in opts.strategies.split(",") if s.strip()]
+    frameworks = [f.strip() for f in opts.frameworks.split(",") if f.strip()]
+    unknown = sorted(set(strategies) - set(STRATEGIES)) + sorted(set(frameworks) - set(FRAMEWORKS))
+    if unknown:
+        parser.error(f"unknown strategy or framework: {', '.join(unknown)}")
+    if any(s.startswith("zero") for s in strategies):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            print("deepspeed is not installed: skipping zero2/zero3 (pip install -e '.[deepspeed]')")
+            strategies = [s for s in strategies if not s.startswith("zero")]
+    names = [f"{f}:{s}" for s in strategies for f in frameworks]
+    results: dict[str, dict[str, Any]] = {}
+    for _ in range(opts.repeats):
+        for name in names:
+            r = _launch(name, opts)
+            if name not in results or r["steps_per_s"] > results[name]["steps_per_s"]:
+                results[name] = r
+    cfg = CONFIGS[opts.config]
+    device = next(iter(results.values()))["device"] if results else "-"
+    print(
+        f"config={opts.config} ({cfg['layers']}x{cfg['hidden_size']}, seq {cfg['seq']}, batch {cfg['batch']} per "
+        f"rank) ranks={opts.nproc} device={device} steps={opts.steps or cfg['steps']} warmup={opts.warmup} "
+        f"best of {opts.repeats}"
+    )
+    print(f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'peak MB/rank':>13}")
+    for name, r in results.items():
+        framework, strategy = name.split(":")
+        base = results.get(f"raw:{strategy}")
+        r["ratio_to_raw"] = r["steps_per_s"] / base["steps_per_s"] if base else None
+        ratio = f"{r['ratio_to_raw']:.3f}" if base else "-"
+        print(
+            f"{strategy:9} {framework:12} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
+            f"{r['peak_memory_mb']:13.0f}"
+        )
+    report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
