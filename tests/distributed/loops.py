@@ -98,6 +98,77 @@ def train_loop(
     return accelerator, weights(accelerator, model), info
 
 
+def per_rank(value: object) -> list:
+    """``value`` of every rank, in rank order."""
+    values: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def grad_checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.grad.double().sum() for p in model.parameters() if p.grad is not None))
+
+
+def allreduce_counts() -> dict:
+    """DDP gradient all-reduces (counted by a comm hook) under ``no_sync`` and over ``accumulate`` windows."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = accelerator.prepare(tiny_llama(0))
+    calls = [0]
+
+    def counting_hook(process_group, bucket):
+        calls[0] += 1
+        return allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    ids = torch.tensor([[5, 6, 7, 8, 9]]) + accelerator.process_index  # each rank its own data
+
+    def backward() -> None:
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+
+    backward()
+    result = {"per_sync": calls[0]}
+    model.zero_grad()
+    for _ in range(3):
+        with accelerator.no_sync(model):
+            backward()
+    result["no_sync"] = calls[0] - result["per_sync"]
+    result["no_sync_grads"] = per_rank(grad_checksum(model))  # local: each rank's own
+    backward()
+    result["then_sync"] = calls[0] - result["per_sync"]
+    result["synced_grads"] = per_rank(grad_checksum(model))  # all-reduced: the same on every rank
+    model.zero_grad()
+    calls[0] = 0
+    for _ in range(8):
+        with accelerator.accumulate(model):
+            backward()
+    result["accumulate_8_of_4"] = calls[0]
+    return result
+
+
+def autocast_and_unwrap() -> dict:
+    """bf16 ``autocast()``, and ``unwrap_model(keep_fp32_wrapper=False)`` giving back the plain fp32 forward."""
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(tiny_llama(0))
+    with accelerator.autocast():
+        inside = (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        wrapped = model(input_ids=ids).logits
+        plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        unwrapped = plain(input_ids=ids).logits
+        reference = tiny_llama(0)(input_ids=ids).logits
+    return {
+        "autocast_dtype": str(inside),
+        "prepared": type(model).__name__,
+        "unwrapped": type(plain).__name__,
+        "wrapped_dtype": str(wrapped.dtype),
+        "wrapped_differs": float((wrapped - reference).abs().max()),
+        "unwrapped_equal": bool(torch.equal(unwrapped, reference)),
+    }
+
+
 def main(out: str) -> None:
     out_dir = Path(out)
     rank = int(os.environ.get("RANK", "0"))
@@ -109,6 +180,9 @@ def main(out: str) -> None:
     tracked = Accelerator(cpu=True, log_with="tensorboard", project_dir=out_dir / "tracking")
     tracked.init_trackers("loops", config={"ranks": tracked.num_processes})
     tracked.log({"rank_loss": float(tracked.process_index)}, step=1)
+    tracker = tracked.get_tracker("tensorboard")  # on rank 1 a blank one: the same call is safe everywhere
+    tracker.log({"through_get_tracker": float(tracked.process_index)}, step=1)
+    tracker_types = per_rank(type(tracker).__name__)
     for tracker in tracked.trackers:
         tracker.finish()
     gathered = accelerator.gather_for_metrics(torch.arange(3) + 10 * accelerator.process_index)
@@ -121,7 +195,20 @@ def main(out: str) -> None:
         "padded": accelerator.pad_across_processes(torch.ones(rank + 1), dim=0, pad_index=-1).tolist(),
         "distributed_type": str(accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,
+        "where": per_rank(
+            [str(accelerator.device), accelerator.is_local_main_process, accelerator.local_process_index]
+        ),
+        "tracker_types": tracker_types,
     }
+    accelerator.save({"rank": torch.tensor(rank)}, out_dir / "save.pt")  # every rank calls, the main one writes
+    accelerator.save({"rank": torch.tensor(rank)}, out_dir / f"save_by_{rank}.pt")
+    accelerator.wait_for_everyone()
+    members["save"] = {
+        "rank_in_file": int(torch.load(out_dir / "save.pt", weights_only=True)["rank"]),
+        "files": sorted(p.name for p in out_dir.glob("save_by_*.pt")),
+    }
+    members["allreduce"] = allreduce_counts()
+    members["autocast"] = autocast_and_unwrap()
     order_file = out_dir / "order.txt"
     with accelerator.main_process_first():
         with open(order_file, "a") as handle:

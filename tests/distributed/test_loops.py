@@ -81,3 +81,30 @@ def test_collectives_and_process_members_on_two_ranks(two_ranks: Path) -> None:
     assert "model.safetensors" in members["saved_files"] and "config.json" in members["saved_files"]
     stdout = (two_ranks / "stdout.txt").read_text()
     assert "printed by rank 0" in stdout and "printed by rank 1" not in stdout
+
+
+def test_process_members_and_save_on_two_ranks(two_ranks: Path) -> None:
+    members = json.loads((two_ranks / "results.json").read_text())["members"]
+    assert members["where"] == [["cpu", True, 0], ["cpu", False, 1]]  # device, is_local_main_process, local index
+    assert members["save"] == {"rank_in_file": 0, "files": ["save_by_0.pt"]}, "save() writes on the main process only"
+    assert members["tracker_types"] == ["TensorBoardTracker", "BlankTracker"]
+
+
+def test_no_sync_and_accumulate_skip_the_all_reduce(two_ranks: Path) -> None:
+    """A DDP comm hook counts gradient all-reduces: none inside ``no_sync``; one per window in ``accumulate``."""
+    counts = json.loads((two_ranks / "results.json").read_text())["members"]["allreduce"]
+    per_sync = counts["per_sync"]
+    assert per_sync >= 1
+    assert counts["no_sync"] == 0 and counts["then_sync"] == per_sync
+    local, synced = counts["no_sync_grads"], counts["synced_grads"]
+    assert local[0] != local[1], "inside no_sync each rank keeps its own gradients"
+    assert synced[0] == pytest.approx(synced[1], rel=1e-6), "the next backward outside no_sync all-reduces them"
+    assert counts["accumulate_8_of_4"] == 2 * per_sync  # 8 micro-batches, accumulation 4: 2 syncs
+
+
+def test_autocast_and_unwrap_without_the_fp32_wrapper_on_two_ranks(two_ranks: Path) -> None:
+    result = json.loads((two_ranks / "results.json").read_text())["members"]["autocast"]
+    assert result["autocast_dtype"] == "torch.bfloat16"
+    assert result["prepared"] == "DistributedDataParallel" and result["unwrapped"] == "LlamaForCausalLM"
+    assert result["wrapped_dtype"] == "torch.float32" and result["wrapped_differs"] > 0  # bf16 compute, fp32 out
+    assert result["unwrapped_equal"], "keep_fp32_wrapper=False: the plain fp32 forward again"
