@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,37 +119,6 @@ def test_a_compiled_plain_module_is_unwrapped_before_saving(tmp_path: Path, thro
     keys = _keys(tmp_path / "model.safetensors")
     assert not any("_orig_mod" in k for k in keys)
     assert len(keys & {"0.weight", "2.weight"}) == 1 and {"0.bias", "2.bias"} <= keys
-
-
-class FakePeftModel(torch.nn.Module):
-    """Duck-typed like peft.PeftModel: a frozen base plus a trainable adapter; saves only the adapter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = torch.nn.Linear(4, 4).requires_grad_(False)
-        self.lora_A = torch.nn.Linear(4, 2, bias=False)
-        self.peft_config = {"default": {}}
-
-    def get_base_model(self) -> torch.nn.Module:
-        return self.base
-
-    def save_pretrained(self, folder: str) -> None:
-        save_file(
-            {"base_model.model.lora_A.weight": self.lora_A.weight.detach()}, f"{folder}/adapter_model.safetensors"
-        )
-
-
-def test_a_peft_model_is_saved_and_checked_as_its_adapter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the plumbing (peft is not installed here): the adapter file is compared with peft's adapter state."""
-    peft = types.ModuleType("peft")
-    peft.get_peft_model_state_dict = lambda model: {"base_model.model.lora_A.weight": model.lora_A.weight}
-    monkeypatch.setitem(sys.modules, "peft", peft)
-    model = FakePeftModel()
-    save_unwrapped(model, tmp_path)
-    verify_saved_model(model, tmp_path)
-    peft.get_peft_model_state_dict = lambda model: {"base_model.model.lora_B.weight": model.lora_A.weight}
-    with pytest.raises(SavedModelMismatchError, match="lora_B"):
-        verify_saved_model(model, tmp_path)
 
 
 def test_weights_that_transformers_renames_on_save_are_expected_under_their_saved_names(tmp_path: Path) -> None:
