@@ -248,6 +248,24 @@ def compile_job(out: Path) -> dict:
     return {"wrapped": type(trainer.model_wrapped).__name__, "checksums": checksums}
 
 
+def start_up_job(out: Path) -> dict:
+    """One bf16 step of 2 ranks x batch 3 x accumulation 2: each rank's parallel mode and start-up block."""
+    from trainer_ext.callbacks.run_summary import RunSummaryCallback
+
+    trainer = Trainer(
+        model=tiny_llama(0),
+        args=make_args(out, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=1, bf16=True),
+        train_dataset=lm_dataset(24),
+    )
+    trainer.train()
+    (summary,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, RunSummaryCallback)]
+    per_rank: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        per_rank, {"parallel_mode": str(trainer.args.parallel_mode), "printed": summary.printed}
+    )
+    return {"ranks": per_rank}
+
+
 def reloaded_args_job(checkpoint: Path) -> list:
     """Every rank loads rank 0's training_args.bin: each must get its own rank back."""
     loaded = torch.load(checkpoint / "training_args.bin", weights_only=False)
@@ -267,6 +285,7 @@ def main(out: str) -> None:
     allreduce = allreduce_count_job(out_dir / "allreduce")
     compiled = compile_job(out_dir / "compile")
     reloaded = reloaded_args_job(out_dir / "resume" / "part" / "checkpoint-4")
+    start_up = start_up_job(out_dir / "start_up")
     if rank == 0:
         for name, run in (("ga_fp32", ga_fp32), ("ga_bf16", ga_bf16)):
             save_file(run.weights, str(out_dir / f"{name}.safetensors"))
@@ -284,6 +303,7 @@ def main(out: str) -> None:
             "allreduce": allreduce,
             "compile": compiled,
             "reloaded_args": reloaded,
+            "start_up": start_up,
         }
         (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     gc.collect()  # drop the DDP reducers before the group goes

@@ -20,7 +20,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    run_ranks(HERE / "jobs.py", 2, str(out))
+    proc = run_ranks(HERE / "jobs.py", 2, str(out))
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -125,3 +126,15 @@ def test_compile_after_evaluate_still_trains_with_ddp(two_ranks: Path) -> None:
 def test_reloaded_training_args_take_the_rank_of_the_loading_process(two_ranks: Path) -> None:
     ranks = json.loads((two_ranks / "results.json").read_text())["reloaded_args"]
     assert ranks == [[0, 2], [1, 2]]
+
+
+def test_two_ranks_run_in_distributed_mode_and_only_rank_0_prints_the_start_up_block(two_ranks: Path) -> None:
+    ranks = json.loads((two_ranks / "results.json").read_text())["start_up"]["ranks"]
+    assert [r["parallel_mode"] for r in ranks] == ["ParallelMode.DISTRIBUTED"] * 2
+    main, replica = (r["printed"] for r in ranks)
+    assert replica is None, "rank 1 must not print the start-up block"
+    assert "world size              = 2 (ddp)" in main
+    assert "global batch (samples)  = 12 = 2 x 3 x 2" in main
+    assert "precision               = bf16" in main
+    stdout = (two_ranks / "stdout.txt").read_text()
+    assert stdout.count("global batch (samples)  = 12 = 2 x 3 x 2") == 1, "printed once, by rank 0 only"
