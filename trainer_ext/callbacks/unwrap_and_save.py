@@ -4,8 +4,8 @@ Where it writes, so that it never fights the Trainer's own saving:
 
 - at each save the Trainer has already written ``checkpoint-N`` (through ``save_model``); this callback does not
   write it again, it checks it: the safetensors headers must hold the unwrapped model's parameter names and shapes;
-- at the end of training it writes the final model (unwrapped: DDP, ``torch.compile``; a PEFT model as its adapter,
-  the way PEFT's ``save_pretrained`` does), its config and the tokenizer (``processing_class``) as safetensors to
+- at the end of training it writes the final model (unwrapped: DDP, ``torch.compile``; a PEFT model as its adapters,
+  where PEFT's ``save_pretrained`` puts them: ``default`` at the top, any other in a sub-folder of its name), its config and the tokenizer (``processing_class``) as safetensors to
   ``output_dir`` — where ``trainer.save_model()`` writes by default, so a later call by the user rewrites the same
   files — then checks them the same way.
 
