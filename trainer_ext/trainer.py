@@ -10,6 +10,7 @@ import functools
 import inspect
 from typing import Any
 
+import torch
 import transformers
 from transformers import PreTrainedModel
 from transformers.utils import logging
@@ -112,6 +113,16 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
         if self.accelerator.scaler is not None and "loss" in logs:
             logs["skipped_optimizer_steps"] = self.accelerator.skipped_steps
         super().log(logs, *args, **kwargs)
+
+    def _prepare_input(self, data: Any) -> Any:
+        """Under DeepSpeed, float inputs (pixel values, audio) also take the engine's dtype, as in transformers."""
+        data = super()._prepare_input(data)
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        if config is None or not isinstance(data, torch.Tensor) or not torch.is_floating_point(data):
+            return data  # mappings and sequences come back here element by element (transformers recurses)
+        if config.is_auto("fp16.enabled") or config.is_auto("bf16.enabled"):
+            return data  # not resolved yet: nothing has been prepared, the model is still in float32
+        return data.to(config.dtype())
 
     def _prepare_for_training(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
         """Tell the engine the schedule length first: DeepSpeed's ``"auto"`` scheduler values need it."""

@@ -410,3 +410,25 @@ def test_consolidation_check_refuses_empty_and_partial_state_dicts() -> None:
     placeholders = {k: torch.empty(0) for k in full}  # what module.state_dict() gives under ZeRO-3
     with pytest.raises(ConsolidationError, match="wrong size"):
         check_complete(model, placeholders)
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("bf16", torch.bfloat16), (None, torch.float32)])
+def test_float_inputs_take_the_engine_dtype(tmp_path: Path, hf_registry, flag: str | None, dtype) -> None:
+    """Pixel values or audio reach a bf16 DeepSpeed engine in bf16; token ids stay integers."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from trainer_ext import Trainer, TrainingArguments
+
+    config = json.loads((PRESETS[0].parent / "zero2.json").read_text())
+    flags = {flag: True} if flag else {}
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, use_cpu=True, report_to="none", **flags)
+    tiny = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99)
+    trainer = Trainer(model=BertForSequenceClassification(tiny), args=args)
+    batch = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "pixel_values": torch.zeros(2, 3),
+        "extra": [torch.ones(1)],
+    }
+    out = trainer._prepare_inputs(batch)
+    assert out["input_ids"].dtype == torch.long
+    assert out["pixel_values"].dtype == dtype and out["extra"][0].dtype == dtype
