@@ -1,8 +1,9 @@
 """The commit marker of a checkpoint, its verification, the newest complete checkpoint and safe rotation.
 
 A checkpoint directory counts only once ``COMPLETE`` is in it: written last, after every rank has written
-its files, fsynced with its directory. The marker lists each file's size so a truncated file is caught
-without reading it; safetensors headers and torch files are also opened (``weights_only=True``).
+its files, fsynced with its directory. The marker lists each file's size (a truncated file is caught without
+reading it) and CRC-32 (any damaged byte is caught); safetensors headers, torch files (``weights_only=True``),
+DCP metadata (an allow-list) and DeepSpeed's files (``weights_only`` with its few classes) are also opened.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import re
 import shutil
 import struct
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ class CheckpointError(Exception):
     """A checkpoint directory that must not be resumed from; the message says why."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename, creation or removal inside ``path`` durable (no-op where directories cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -41,25 +44,93 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def flush_tree(folder: Path) -> None:
+    """fsync every file and folder this process can see under ``folder``, so a marker never precedes their data."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that hold them
+        if path.is_dir():
+            fsync_dir(path)
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    fsync_dir(folder)
+
+
 def _files(directory: Path) -> dict[str, int]:
     return {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != COMPLETE
+        if p.is_file() and p.name not in (COMPLETE, f".{COMPLETE}.tmp")
     }
 
 
-def write_marker(directory: str | os.PathLike, *, world_size: int, step: int | None = None, **facts: Any) -> Path:
-    """Commit ``directory``: write ``COMPLETE`` (file sizes, world size, ``facts``) through a temporary file, fsynced."""
+def crc32(path: str | os.PathLike, chunk: int = 1 << 22) -> int:
+    """CRC-32 of a file's bytes (about 0.7 s per GB on one core): catches damage that keeps the size."""
+    value = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            value = zlib.crc32(block, value)
+    return value
+
+
+_RANK_FILE = re.compile(
+    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|zero_pp_rank_(\d+)_[^/]*|rank_(\d+)\.pt)$"
+)
+
+
+def writer_rank(name: str) -> int | None:
+    """The rank whose name a per-rank file carries (DCP shards, RNG states, DeepSpeed partitions), else None."""
+    match = _RANK_FILE.search(name)
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
+
+
+def checksums(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, int]:
+    """CRC-32 of each named file of ``directory`` (those that exist)."""
+    root = Path(directory)
+    return {name: crc32(root / name) for name in names if (root / name).is_file()}
+
+
+def write_marker(
+    directory: str | os.PathLike,
+    *,
+    world_size: int,
+    step: int | None = None,
+    crcs: dict[str, int] | None = None,
+    **facts: Any,
+) -> Path:
+    """Commit ``directory``: write ``COMPLETE`` through a temporary file, fsynced.
+
+    It records each file's size and CRC-32 (``crcs`` as computed by the ranks that wrote them; the rest read
+    here), the world size and ``facts``.
+    """
     out = Path(directory)
-    body = {"trainer_ext_checkpoint": 1, "world_size": world_size, "step": step, **facts, "files": _files(out)}
+    files = _files(out)
+    known = {name: value for name, value in (crcs or {}).items() if name in files}
+    known.update(checksums(out, (name for name in files if name not in known)))
+    body = {
+        "trainer_ext_checkpoint": 1,
+        "world_size": world_size,
+        "step": step,
+        **facts,
+        "files": files,
+        "crc32": {name: known[name] for name in files},
+    }
     tmp = out / f".{COMPLETE}.tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
         json.dump(body, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, out / COMPLETE)
-    _fsync_dir(out)
+    fsync_dir(out)
     return out / COMPLETE
 
 
@@ -68,7 +139,7 @@ def remove_marker(directory: str | os.PathLike) -> None:
     out = Path(directory)
     if (out / COMPLETE).exists():
         (out / COMPLETE).unlink()
-        _fsync_dir(out)
+        fsync_dir(out)
 
 
 def read_marker(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -117,8 +188,53 @@ def check_torch_file(path: Path) -> None:
 
 
 def _in_deepspeed_folder(path: Path, root: Path) -> bool:
-    """A file of DeepSpeed's ``global_stepN/`` checkpoint (next to its ``latest`` file)."""
-    return (root / "latest").is_file() and path.parent != root and path.parent.name.startswith("global_step")
+    """A file of a DeepSpeed checkpoint's tag folder (``global_stepN/`` next to its ``latest`` file)."""
+    return path.parent != root and (path.parent.parent / "latest").is_file()
+
+
+class _Stand:
+    """Stands in for a DeepSpeed class while checking a file: built from its pickled state, never run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+# the classes DeepSpeed pickles into its checkpoints besides tensors and containers (loss scaler, ZeRO stage,
+# parameter fragment addresses); DeepSpeed unpickles them in full, so nothing else may be in its files
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed file loaded ``weights_only``, its own classes stood in for (no DeepSpeed import, no code run)."""
+    with torch.serialization.safe_globals([(_Stand, name) for name in DEEPSPEED_CLASSES]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def check_deepspeed_file(path: Path) -> None:
+    """CheckpointError when a DeepSpeed file holds anything but tensors, containers and DeepSpeed's own classes."""
+    try:
+        load_deepspeed_file(path)
+    except Exception as error:  # a global outside torch's allow-list and DeepSpeed's classes, or a damaged file
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(
+            f"{path.parent.name}/{path.name} holds more than DeepSpeed saves (it could run code when DeepSpeed "
+            f"loads it): {reason}"
+        ) from error
+
+
+def check_deepspeed_latest(path: Path) -> None:
+    """``latest`` must name a tag folder beside it: DeepSpeed loads whatever folder it names."""
+    tag = path.read_text(encoding="utf-8").strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not (path.parent / tag).is_dir():
+        raise CheckpointError(f"{path.name} names {tag!r}, which is not a checkpoint folder beside it")
 
 
 def check_zip(path: Path) -> None:
@@ -134,8 +250,23 @@ def check_zip(path: Path) -> None:
         raise CheckpointError(f"{path.name} is corrupted (member {bad} fails its checksum)")
 
 
-def verify(directory: str | os.PathLike, *, require_marker: bool = True) -> dict[str, Any]:
-    """Check a checkpoint: marker present, file sizes as committed, headers and torch files readable."""
+def check_dcp_metadata(path: Path) -> None:
+    """A DCP folder's ``.metadata`` read through the allow-list, its non-tensor values ``weights_only``."""
+    from ..dist.safe_dcp import UnsafeCheckpointError, check_values, load_metadata
+
+    try:
+        check_values(path.parent, load_metadata(path))
+    except (UnsafeCheckpointError, OSError) as error:
+        raise CheckpointError(str(error)) from error
+
+
+def verify(
+    directory: str | os.PathLike, *, require_marker: bool = True, part: tuple[int, int] = (0, 1)
+) -> dict[str, Any]:
+    """Check a checkpoint: marker present, file sizes and checksums as committed, every file it loads readable safely.
+
+    ``part=(i, n)``: checksum only every n-th committed file from the i-th, so n processes share the reading.
+    """
     src = Path(directory)
     marker = read_marker(src)
     if marker is None:
@@ -148,13 +279,22 @@ def verify(directory: str | os.PathLike, *, require_marker: bool = True) -> dict
             raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
         if path.stat().st_size != size:
             raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
+    index, count = part
+    for name, expected in sorted((marker.get("crc32") or {}).items())[index::count]:
+        if crc32(src / name) != expected:
+            raise CheckpointError(f"{name} does not match its checksum in {COMPLETE} (corrupted after it was written)")
     for path in sorted(src.rglob("*")):
         if not path.is_file():
             continue
         if path.suffix == ".safetensors":
             check_safetensors(path)
+        elif path.name == ".metadata":
+            check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
+        elif path.name == "latest" and path.stat().st_size < 1024:
+            check_deepspeed_latest(path)
         elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
-            check_zip(path)  # DeepSpeed loads its own files (full unpickling): check they are whole, run nothing
+            check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
+            check_deepspeed_file(path)
         elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
             check_torch_file(path)
         elif path.suffix == ".json":

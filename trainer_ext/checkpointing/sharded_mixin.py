@@ -22,6 +22,7 @@ from ..dist import sharded_checkpoint
 from ..dist.strategies.deepspeed import is_engine
 from ..dist.strategies.fsdp import is_sharded
 from ..errors import ConfigError
+from .marker import load_deepspeed_file
 
 logger = logging.getLogger(__name__)
 DEEPSPEED_LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
@@ -29,6 +30,34 @@ DEEPSPEED_LATEST = "latest"  # the file DeepSpeed writes next to its global_step
 
 def has_deepspeed_checkpoint(directory: str | os.PathLike) -> bool:
     return (Path(directory) / DEEPSPEED_LATEST).is_file()
+
+
+def deepspeed_saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], set[str]] | None:
+    """Full shapes of the parameters in a DeepSpeed checkpoint (read ``weights_only``), and the trainable names.
+
+    None when the checkpoint has no model-states file to read them from.
+    """
+    root = Path(directory)
+    tag = (root / DEEPSPEED_LATEST).read_text(encoding="utf-8").strip()
+    files = sorted((root / tag).glob("*model_states.pt"))
+    if not files:
+        return None
+    saved = load_deepspeed_file(files[0])
+    groups = saved.get("param_shapes") or []
+    trainable = {name: list(shape) for group in groups for name, shape in group.items()}
+    frozen = {name: list(shape) for name, shape in (saved.get("frozen_param_shapes") or {}).items()}
+    return {**frozen, **trainable}, set(trainable)
+
+
+def check_deepspeed_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    """ConfigError when a DeepSpeed checkpoint holds another model (parameter names or full shapes differ)."""
+    found = deepspeed_saved_shapes(directory)
+    if found is None:
+        return
+    params = list(model.named_parameters())
+    expected = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in params}  # ZeRO-3 partitioned: ds_shape
+    trainable = [name for name, p in params if p.requires_grad]  # frozen ones are saved only under some stages
+    sharded_checkpoint.check_shapes(Path(directory).name, found[0], expected, must_have=trainable)
 
 
 class ShardedCheckpointMixin:

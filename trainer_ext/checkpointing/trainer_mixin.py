@@ -1,21 +1,21 @@
 """Trainer overrides that make checkpoints atomic, resume pick the newest complete one, and preemption save.
 
 transformers writes ``checkpoint-N`` from several ranks and rotates before the other ranks have finished;
-here every save is committed by a marker written after a barrier, rotation runs after the commit and
-counts only complete checkpoints, and resume verifies what it loads (``weights_only=True`` throughout).
+here every save is committed by a marker (sizes, checksums) written after a barrier, rotation runs after the
+commit and counts only complete checkpoints, and resume verifies what it loads on every rank, which agree.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from ..dist import sharded_checkpoint
 from ..errors import ConfigError
-from . import marker
+from . import marker, together
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
+from .sharded_mixin import check_deepspeed_model, has_deepspeed_checkpoint
 
 logger = logging.getLogger(__name__)
 AUTO = "auto"
@@ -66,7 +66,7 @@ class CheckpointingMixin:
         if value is None or value is False:
             return None
         if value is True or str(value).lower() == AUTO:
-            chosen, skipped = marker.newest_complete(self.args.output_dir)
+            chosen, skipped = together.newest_complete_together(self.args.output_dir, part=self._verify_part())
             for line in skipped:
                 logger.warning("resume: skipping %s", line)
             if chosen is None:
@@ -82,7 +82,7 @@ class CheckpointingMixin:
         else:
             path = str(value)
             try:
-                found = marker.verify(path, require_marker=False)
+                found = together.verify_together(path, require_marker=False, part=self._verify_part())
             except marker.CheckpointError as error:
                 raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
             if not found:
@@ -91,6 +91,13 @@ class CheckpointingMixin:
                 )
         self._check_compatible(Path(path))
         return path
+
+    def _verify_part(self) -> tuple[int, int]:
+        """This rank's share of the checksum reading: its index among the ranks of its node."""
+        topology = getattr(getattr(self.accelerator, "state", None), "topology", None)
+        if topology is None:
+            return (0, 1)
+        return (topology.local_rank, max(1, topology.local_world_size))
 
     def _batch_facts(self) -> dict[str, int]:
         """What fixes the data position of a step: the per-rank micro-batch and the global batch."""
@@ -131,6 +138,9 @@ class CheckpointingMixin:
         if self.model is None:
             return
         expected_model = self.accelerator.unwrap_model(self.model)
+        if has_deepspeed_checkpoint(path):
+            check_deepspeed_model(expected_model, path)
+            return
         if sharded_checkpoint.has_sharded_model(path):
             sharded_checkpoint.check_model_matches(expected_model, path)
             return
@@ -172,14 +182,16 @@ class CheckpointingMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = given
-        _flush_dir(folder)
+        marker.flush_tree(folder)  # this rank's data reaches the disk before the marker can
         _barrier(self)  # every rank's files are written
+        crcs = together.own_checksums(folder)  # each rank reads back the per-rank files it wrote
         if self.args.should_save:
             marker.write_marker(
                 folder,
                 world_size=self.args.world_size,
                 step=self.state.global_step,
                 strategy=self.accelerator.strategy.name,
+                crcs=crcs,
                 **self._batch_facts(),
             )
             removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
@@ -196,20 +208,3 @@ class CheckpointingMixin:
             if isinstance(getattr(loader, "_loader_kwargs", None), dict):
                 loader._loader_kwargs["worker_init_fn"] = wrapped
         return loader
-
-
-def _flush_dir(folder: Path) -> None:
-    """fsync the files this rank can see in ``folder`` so the marker never precedes their data."""
-    if not folder.is_dir():
-        return
-    for path in folder.rglob("*"):
-        if path.is_file():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-    marker._fsync_dir(folder)

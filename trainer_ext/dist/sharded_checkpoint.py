@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
+from .safe_dcp import METADATA, SafeLoadPlanner, SafeReader, UnsafeCheckpointError, load_metadata
 
 MODEL_DIR = "model_sharded"
 OPTIMIZER_DIR = "optimizer_sharded"
@@ -43,42 +46,62 @@ def _no_dist() -> bool:
 
 
 def _dcp(func: Any, state: dict[str, Any], path: Path) -> None:
-    """``dcp.save``/``dcp.load`` on the process group, or on this process alone (without DCP's warning)."""
+    """``dcp.save``/``dcp.load`` on the process group, or on this process alone (without DCP's warning).
+
+    Loading reads the metadata through an allow-list and non-tensor values ``weights_only`` (``safe_dcp``).
+    """
+    safe = {"storage_reader": SafeReader(path), "planner": SafeLoadPlanner()} if func is dcp.load else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        func(state, checkpoint_id=str(path), no_dist=_no_dist())
+        try:
+            func(state, checkpoint_id=str(path), no_dist=_no_dist(), **safe)
+        except CheckpointException as error:  # DCP wraps what a rank raised: a refusal is ours to report
+            refused = [exc for exc, _ in error.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+            if refused:
+                raise refused[0] from error
+            raise
 
 
 def has_sharded_model(directory: str | os.PathLike) -> bool:
-    return (Path(directory) / MODEL_DIR / ".metadata").is_file()
+    return (Path(directory) / MODEL_DIR / METADATA).is_file()
 
 
 def has_sharded_optimizer(directory: str | os.PathLike) -> bool:
-    return (Path(directory) / OPTIMIZER_DIR / ".metadata").is_file()
+    return (Path(directory) / OPTIMIZER_DIR / METADATA).is_file()
 
 
 def saved_shapes(directory: str | os.PathLike) -> dict[str, list[int]]:
-    """Names and full shapes of the tensors in a sharded model checkpoint (reads the metadata only)."""
-    metadata = dcp.FileSystemReader(str(Path(directory) / MODEL_DIR)).read_metadata()
+    """Names and full shapes of the tensors in a sharded model checkpoint (reads the metadata only, safely)."""
+    metadata = load_metadata(Path(directory) / MODEL_DIR / METADATA)
     return {k: list(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def check_model_matches(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """ConfigError when the sharded checkpoint holds another model (names or full shapes differ)."""
-    saved = saved_shapes(directory)
-    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(expected.keys() - saved.keys())
+def check_shapes(
+    label: str, saved: dict[str, list[int]], expected: dict[str, list[int]], must_have: Iterable[str] | None = None
+) -> None:
+    """ConfigError naming what differs when ``saved`` (names to full shapes) is not ``expected``'s model.
+
+    ``must_have``: the names the checkpoint must hold (default: all of ``expected``).
+    """
+    required = set(expected if must_have is None else must_have)
+    missing = sorted(required - saved.keys())
     unknown = sorted(saved.keys() - expected.keys())
     wrong = [
         f"{k} {saved[k]} vs {expected[k]}" for k in sorted(expected.keys() & saved.keys()) if saved[k] != expected[k]
     ]
     problems = [
-        f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
-        for label, items in (("shapes differ", wrong), ("missing tensors", missing), ("unknown tensors", unknown))
+        f"{kind}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+        for kind, items in (("shapes differ", wrong), ("missing tensors", missing), ("unknown tensors", unknown))
         if items
     ]
     if problems:
-        raise ConfigError(f"{Path(directory).name} holds another model: " + "; ".join(problems))
+        raise ConfigError(f"{label} holds another model: " + "; ".join(problems))
+
+
+def check_model_matches(model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    """ConfigError when the sharded checkpoint holds another model (names or full shapes differ)."""
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    check_shapes(Path(directory).name, saved_shapes(directory), expected)
 
 
 def save_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:

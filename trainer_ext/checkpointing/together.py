@@ -1,0 +1,85 @@
+"""What the ranks of a job do together for a checkpoint: checksum their own files, share the verification, agree.
+
+Every function here is a collective when a process group is up (every rank must call it) and plain local work
+otherwise. The reading is spread: each rank checksums the per-rank files it wrote, and on resume the ranks of a
+node split the committed files between them; all ranks then take the same decision.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .marker import CheckpointError, checksums, sorted_checkpoints, verify, writer_rank
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all(value: Any) -> list[Any]:
+    """``value`` from every rank (a collective with more than one process)."""
+    rank, world = _world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def own_checksums(folder: str | os.PathLike) -> dict[str, int]:
+    """CRC-32 of the per-rank files (named after their rank) each rank wrote, read back by that rank, merged."""
+    rank, _ = _world()
+    root = Path(folder)
+    names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+    mine = checksums(root, [name for name in names if writer_rank(name) == rank])
+    merged: dict[str, int] = {}
+    for part in _all(mine):
+        merged.update(part)
+    return merged
+
+
+def verify_together(
+    directory: str | os.PathLike, *, require_marker: bool = True, part: tuple[int, int] = (0, 1)
+) -> dict[str, Any]:
+    """``marker.verify`` with the checksums split by ``part`` (this rank's index among its node's); all agree.
+
+    CheckpointError on every rank when any rank found a problem.
+    """
+    try:
+        found, problem = verify(directory, require_marker=require_marker, part=part), None
+    except CheckpointError as error:
+        found, problem = {}, str(error)
+    except (OSError, ValueError) as error:  # unreadable: the other ranks must not wait for this one
+        found, problem = {}, f"cannot be read ({error})"
+    problems = [p for p in _all(problem) if p is not None]
+    if problems:
+        raise CheckpointError(problems[0])
+    return found
+
+
+def newest_complete_together(
+    directory: str | os.PathLike, *, part: tuple[int, int] = (0, 1)
+) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint every rank verifies, and one line per newer one skipped and why (same on all ranks)."""
+    candidates = [p.name for p in reversed(sorted_checkpoints(directory))]
+    rank, world = _world()
+    if world > 1:  # rank 0's listing: every rank must walk the same candidates
+        box = [candidates]
+        dist.broadcast_object_list(box, src=0)
+        candidates = box[0]
+    skipped: list[str] = []
+    for name in candidates:
+        path = Path(directory) / name
+        try:
+            verify_together(path, part=part)
+        except CheckpointError as error:
+            skipped.append(f"{name}: {error}")
+            continue
+        return path, skipped
+    return None, skipped
