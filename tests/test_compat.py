@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 
 import pytest
 import transformers
 import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
 
-from trainer_ext import _compat
+from trainer_ext import Trainer, TrainingArguments, _compat
 from trainer_ext.dist.accumulation import GradientState
 from trainer_ext.dist.data import ShardedDataLoader, shard_dataloader
 
@@ -113,3 +115,111 @@ def test_the_save_renaming_hook_exists() -> None:
     from transformers.core_model_loading import revert_weight_conversion
 
     assert callable(revert_weight_conversion)
+
+
+# What our subclasses know of transformers' private API. Keep these lists by hand: the test below
+# computes the same sets from our classes, so a rename on either side shows up as a difference.
+PRIVATE_OVERRIDES = {
+    transformers.Trainer: {
+        "_load_best_model",
+        "_load_from_checkpoint",
+        "_load_optimizer_and_scheduler",
+        "_prepare_for_training",
+        "_prepare_input",
+        "_save_checkpoint",
+        "_save_optimizer_and_scheduler",
+    },
+    transformers.TrainingArguments: {"_process_fsdp_args", "_setup_devices"},
+}
+PRIVATE_NAMES_USED = {
+    transformers.Trainer: {"_created_lr_scheduler", "_get_output_dir"},
+    transformers.TrainingArguments: {"_n_gpu"},
+}
+OUR_CLASSES = {transformers.Trainer: Trainer, transformers.TrainingArguments: TrainingArguments}
+
+
+def _our_bases(ours: type, theirs: type) -> list[type]:
+    """The classes trainer_ext puts above ``theirs``: the subclass and its mixins."""
+    return [c for c in ours.__mro__ if c.__module__.startswith("trainer_ext.") and c not in theirs.__mro__]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_references(classes: list[type]) -> tuple[set[str], set[str], list[ast.Call]]:
+    """Private methods defined, private names read or set on ``self``/``super()``, and the calls made to them."""
+    defined, used, calls = set(), set(), []
+    for cls in classes:
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+            if isinstance(node, ast.FunctionDef) and _private(node.name):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                target = node.value
+                on_self = isinstance(target, ast.Name) and target.id == "self"
+                on_super = isinstance(target, ast.Call) and getattr(target.func, "id", None) == "super"
+                if on_self or on_super:
+                    used.add(node.attr)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _private(node.func.attr):
+                calls.append(node)
+    return defined, used, calls
+
+
+def _signature(owner: type, name: str) -> inspect.Signature:
+    member = inspect.getattr_static(owner, name)
+    return inspect.signature(member.func if isinstance(member, functools.cached_property) else member)
+
+
+def _incompatibilities(ours: inspect.Signature, theirs: inspect.Signature) -> list[str]:
+    """Why a call that ``theirs`` accepts could fail on ``ours`` (empty when every such call binds the same way)."""
+    kinds = {p.kind for p in ours.parameters.values()}
+    mine = [p for p in ours.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positions = [p.name for p in mine if p.kind != p.KEYWORD_ONLY]
+    problems = []
+    their_positions = [
+        p.name for p in theirs.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    for index, (name, param) in enumerate(theirs.parameters.items()):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            if param.kind not in kinds:
+                problems.append(f"takes no {param}")
+        elif name in positions and name in their_positions:
+            if positions.index(name) != their_positions.index(name):
+                problems.append(f"{name!r} at another position")
+        elif name not in ours.parameters and inspect.Parameter.VAR_KEYWORD not in kinds:
+            if param.kind == param.KEYWORD_ONLY or inspect.Parameter.VAR_POSITIONAL not in kinds:
+                problems.append(f"no parameter {name!r} (#{index})")
+    for param in mine:
+        if param.default is param.empty and param.name not in theirs.parameters:
+            problems.append(f"requires {param.name!r}, which transformers never passes")
+    return problems
+
+
+@pytest.mark.parametrize("theirs", list(OUR_CLASSES), ids=lambda cls: cls.__name__)
+def test_the_private_transformers_methods_we_override_or_call_exist(theirs: type) -> None:
+    """Every private name our subclass overrides, calls or sets on transformers' class is still there, same shape.
+
+    A rename upstream would leave our override unused (or our call failing mid-run) without any other test noticing.
+    """
+    ours = OUR_CLASSES[theirs]
+    defined, used, calls = _private_references(_our_bases(ours, theirs))
+    overrides = {name for name in defined if hasattr(theirs, name)}
+    assert overrides == PRIVATE_OVERRIDES[theirs], "update PRIVATE_OVERRIDES after checking each difference"
+    upstream = inspect.getsource(inspect.getmodule(theirs))
+    theirs_used = {name for name in used - defined if hasattr(theirs, name) or f"self.{name}" in upstream}
+    assert theirs_used == PRIVATE_NAMES_USED[theirs], "update PRIVATE_NAMES_USED after checking each difference"
+
+    for name in sorted(overrides):
+        problems = _incompatibilities(_signature(ours, name), _signature(theirs, name))
+        assert not problems, f"{ours.__name__}.{name} vs transformers: {problems}"
+    for call in calls:  # our calls of transformers' private methods must bind to their signature
+        name = call.func.attr
+        if name not in theirs_used | overrides:
+            continue
+        assert callable(getattr(theirs, name, None)), f"transformers.{theirs.__name__}.{name} is not a method"
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            continue
+        try:
+            _signature(theirs, name).bind(None, *call.args, **{k.arg: None for k in call.keywords})
+        except TypeError as error:
+            raise AssertionError(f"our call {ast.unparse(call)} does not fit transformers' {name}: {error}") from None
