@@ -42,9 +42,13 @@ def import_deepspeed() -> Any:
 
 
 def is_engine(model: Any) -> bool:
-    """True for a ``DeepSpeedEngine`` (without importing deepspeed when nothing did yet)."""
-    deepspeed = sys.modules.get("deepspeed")
-    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+    """True for a ``DeepSpeedEngine`` (without importing deepspeed when nothing did yet).
+
+    A folder named ``deepspeed`` on ``sys.path`` can stand in as a namespace package where deepspeed is not
+    installed: it has no engine class, so nothing is an engine.
+    """
+    engine_cls = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)
+    return engine_cls is not None and isinstance(model, engine_cls)
 
 
 class DeepSpeedStrategy(Strategy):
