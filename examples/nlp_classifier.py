@@ -2,19 +2,23 @@
 
 trainer-ext launch --num_processes 2 --cpu examples/nlp_classifier.py --epochs 1
 python examples/nlp_classifier.py --mixed_precision bf16 --with_tracking
+
+The model and its tokenizer are saved together in --output_dir: ``AutoModelForSequenceClassification`` and
+``AutoTokenizer.from_pretrained`` read that folder back.
 """
 
 from __future__ import annotations
 
 import datasets
 import torch
-from _common import pad, parse_args, word_tokenizer
+from _common import pad, parse_args, shared_tokenizer
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 from trainer_ext import Accelerator
 from trainer_ext.data import SENTIMENT
 
 LABELS = {"negative": 0, "positive": 1}
+PROBES = ["i felt the music was really thrilling .", "the plot was so slow and dull ."]
 
 
 def main() -> None:
@@ -27,32 +31,41 @@ def main() -> None:
         project_dir=args.output_dir,
         seed=args.seed,
     )
-    with accelerator.main_process_first():  # the main process fills the datasets cache, the others reuse it
+    # the main process trains the tokenizer and fills the datasets cache; the others then reuse both
+    with accelerator.main_process_first():
         raw = datasets.load_dataset("json", data_files=str(SENTIMENT))["train"].train_test_split(0.1, seed=0)
-    train_rows = raw["train"] if args.max_train_samples is None else raw["train"].select(range(args.max_train_samples))
-    tokenizer = word_tokenizer(train_rows["text"], ["[PAD]", "[UNK]", "[CLS]"])
-    cls = tokenizer.token_to_id("[CLS]")
+        if args.max_train_samples is not None:
+            raw["train"] = raw["train"].select(range(args.max_train_samples))
+        tokenizer = shared_tokenizer(accelerator, args.output_dir, raw["train"]["text"], "[CLS]", cls_token="[CLS]")
+
+        def tokenize(batch: dict) -> dict:
+            ids = tokenizer(batch["text"], truncation=True, max_length=63)["input_ids"]  # [CLS] text
+            return {"input_ids": ids, "labels": [LABELS[label] for label in batch["label"]]}
+
+        data = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
 
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-        ids = [[cls] + tokenizer.encode(r["text"]).ids[:62] for r in rows]
-        input_ids = pad(ids, 0)
+        input_ids = pad([r["input_ids"] for r in rows], tokenizer.pad_token_id)
         return {
             "input_ids": input_ids,
-            "attention_mask": (input_ids != 0).long(),
-            "labels": torch.tensor([LABELS[r["label"]] for r in rows]),
+            "attention_mask": (input_ids != tokenizer.pad_token_id).long(),
+            "labels": torch.tensor([r["labels"] for r in rows]),
         }
 
-    train_dl = torch.utils.data.DataLoader(train_rows, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
-    eval_dl = torch.utils.data.DataLoader(raw["test"], batch_size=64, collate_fn=collate)
+    train_dl = torch.utils.data.DataLoader(data["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate)
+    eval_dl = torch.utils.data.DataLoader(data["test"], batch_size=64, collate_fn=collate)
     torch.manual_seed(args.seed)
     config = BertConfig(
-        vocab_size=tokenizer.get_vocab_size(),
+        vocab_size=len(tokenizer),
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=128,
         max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
         num_labels=2,
+        id2label={i: name for name, i in LABELS.items()},
+        label2id=LABELS,
     )
     model = BertForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -85,7 +98,13 @@ def main() -> None:
         accelerator.print(f"epoch {epoch}: eval_accuracy={correct / total:.4f} eval_samples={total}")
         accelerator.log({"eval_accuracy": correct / total, "train_loss": loss.item()}, step=epoch)
 
-    accelerator.save_model(model, args.output_dir)
+    accelerator.save_model(model, args.output_dir)  # next to the tokenizer saved by shared_tokenizer
+    if accelerator.is_main_process:  # new sentences through the plain fp32 model, as from_pretrained will load it
+        plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        with torch.no_grad():
+            probs = plain(**tokenizer(PROBES, padding=True, return_tensors="pt").to(accelerator.device)).logits
+        for text, p in zip(PROBES, probs.softmax(-1).tolist(), strict=True):
+            accelerator.print(f"predict: {text!r} -> p(positive)={p[1]:.6f}")
     accelerator.end_training()
 
 
