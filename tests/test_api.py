@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 import transformers
@@ -17,6 +18,7 @@ from trainer_ext.errors import ConfigError
 from trainer_ext.output_dir import RUN_FILE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
+DATA = Path(__file__).resolve().parents[1] / "trainer_ext" / "data"
 
 
 def tiny(out, **overrides):
@@ -221,3 +223,131 @@ def test_too_few_rows_to_hold_out_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot hold out"):
         train(tiny(out, train_file=str(data)))
     assert not out.exists()
+
+
+def _rows(name: str, limit: int) -> list[dict]:
+    """The first ``limit`` rows of a data file shipped with trainer_ext."""
+    lines = (DATA / name).read_text().splitlines()[:limit]
+    return [json.loads(line) for line in lines]
+
+
+def assert_reloads_as_trained(out: Path, capture: Capture, auto: type, texts: list[str]) -> None:
+    """The saved model and tokenizer load back: the trained weights bit for bit, the same tokens and logits."""
+    model = auto.from_pretrained(out).eval()
+    trained = capture.model.eval()
+    saved, kept = model.state_dict(), trained.state_dict()
+    assert saved.keys() == kept.keys()
+    for name, value in saved.items():
+        assert torch.equal(value, kept[name]), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    assert (
+        batch["input_ids"].tolist()
+        == capture.tokenizer(texts, padding=True, return_tensors="pt")["input_ids"].tolist()
+    )
+    with torch.no_grad():  # same weights; the kernels may still round differently (memory layout), hence a tolerance
+        torch.testing.assert_close(model(**batch).logits, trained(**batch).logits, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_json_array_file_trains_a_classifier(tmp_path):
+    """A .json file holding one JSON array (not JSON lines)."""
+    data = tmp_path / "reviews.json"
+    data.write_text(json.dumps(_rows("sentiment.jsonl", 80), indent=1))
+    assert data.read_text().startswith("[")
+    out, capture = tmp_path / "out", Capture()
+    metrics = train(tiny(out, train_file=str(data), max_train_samples=None), callbacks=[capture])
+    assert metrics["train_samples"] == 72.0 and metrics["eval_samples"] == 8.0  # 10% held out
+    assert {"train_loss", "eval_loss", "eval_accuracy"} <= metrics.keys()
+    assert math.isfinite(metrics["eval_loss"])
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.id2label == {0: "negative", 1: "positive"}
+    assert_reloads_as_trained(out, capture, transformers.AutoModelForSequenceClassification, ["a clever film ."])
+
+
+@pytest.mark.timeout(120)
+def test_text_file_trains_a_causal_lm(tmp_path):
+    """A .txt file, one text per line, cut into blocks of --max_seq_length tokens."""
+    data = tmp_path / "stories.txt"
+    data.write_text("\n".join(row["text"] for row in _rows("corpus.jsonl", 120)) + "\n")
+    out, capture = tmp_path / "out", Capture()
+    metrics = train(
+        tiny(out, task="causal-lm", train_file=str(data), max_train_samples=None, max_seq_length=32),
+        callbacks=[capture],
+    )
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert metrics["train_samples"] > 16, "the text must make several blocks of 32 tokens"
+    assert transformers.AutoConfig.from_pretrained(out).model_type == "llama"
+    assert_reloads_as_trained(out, capture, transformers.AutoModelForCausalLM, ["cleo has nine plums ."])
+
+
+@pytest.mark.timeout(120)
+def test_parquet_files_with_a_validation_file(tmp_path):
+    """Parquet train and validation files: all train rows train, the validation file is what is evaluated."""
+    rows = _rows("sentiment.jsonl", 60)
+    datasets.Dataset.from_list(rows[:48]).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(rows[48:]).to_parquet(str(tmp_path / "valid.parquet"))
+    out, capture = tmp_path / "out", Capture()
+    metrics = train(
+        tiny(
+            out,
+            train_file=str(tmp_path / "train.parquet"),
+            validation_file=str(tmp_path / "valid.parquet"),
+            max_train_samples=None,
+        ),
+        callbacks=[capture],
+    )
+    assert metrics["train_samples"] == 48.0 and metrics["eval_samples"] == 12.0  # nothing held out of train
+    assert {"eval_loss", "eval_accuracy", "eval_baseline_accuracy"} <= metrics.keys()
+    assert json.loads((out / "eval_results.json").read_text())["eval_samples"] == 12
+    assert_reloads_as_trained(out, capture, transformers.AutoModelForSequenceClassification, ["the plot was slow ."])
+
+
+def _save_pretrained_llama(path: Path) -> transformers.PreTrainedTokenizerFast:
+    """A tiny Llama and a word-level tokenizer over the shipped corpus, saved the way the hub stores them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    texts = [row["text"] for row in _rows("corpus.jsonl", 400)]
+    backend.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, show_progress=False))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(123)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+@pytest.mark.timeout(120)
+def test_fine_tunes_a_pretrained_model_from_a_directory(tmp_path):
+    """--model_name_or_path DIR: its weights and tokenizer are the start point (not a model built from scratch)."""
+    base = tmp_path / "base"
+    tokenizer = _save_pretrained_llama(base)
+    out, capture = tmp_path / "out", Capture()
+    metrics = train(
+        tiny(out, task="causal-lm", model_name_or_path=str(base), max_seq_length=32, max_train_samples=64),
+        callbacks=[capture],
+    )
+    assert math.isfinite(metrics["eval_loss"]) and "eval_perplexity" in metrics
+    assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
+    start = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert tuned.keys() == start.keys()
+    moved = max(float((tuned[k] - start[k]).abs().max()) for k in start)
+    assert 0 < moved < 1e-2, f"3 steps at lr 5e-5 from the saved weights, not from a fresh init (moved {moved})"
+    assert_reloads_as_trained(out, capture, transformers.AutoModelForCausalLM, ["cleo has nine plums ."])
