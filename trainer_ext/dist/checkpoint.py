@@ -1,16 +1,20 @@
 """Whole-state checkpoints for hand-written loops: models, optimizers, schedulers, scaler, RNG, loaders.
 
-Every rank calls ``save_state``/``load_state``. The main process writes the shared files, each rank
-writes its own RNG and dataloader position, and a ``COMPLETE`` marker written last (after a barrier)
-says the directory holds a whole checkpoint; ``load_state`` refuses a directory without it.
+Every rank calls ``save_state``/``load_state``. A save goes into a fresh sibling folder: the main process
+writes the shared files, each rank its own RNG and dataloader position; the files are fsynced, a ``COMPLETE``
+marker (sizes, checksums) is written last, and only then does the folder take the place of the previous
+checkpoint, which is removed after. A save that fails leaves the previous checkpoint as it was.
+``load_state`` verifies a checkpoint as the Trainer's resume does (every rank, all agreeing) before loading.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +22,79 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpointing.marker import COMPLETE, read_marker, remove_marker, write_marker
+from ..checkpointing.marker import (
+    COMPLETE,
+    CheckpointError,
+    flush_tree,
+    fsync_dir,
+    read_marker,
+    remove_marker,
+    write_marker,
+)
+from ..checkpointing.together import own_checksums, verify_together
 from ..errors import ConfigError
 from ..saving import unique_state_dict
 from . import sharded_checkpoint
 from .state import DistState
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
+logger = logging.getLogger(__name__)
+
+
+def _staging(final: Path) -> Path:
+    return final.parent / f".{final.name}.saving"
+
+
+def _replaced(final: Path) -> Path:
+    return final.parent / f".{final.name}.replaced"
+
+
+def _check_replaceable(final: Path) -> None:
+    """ConfigError unless ``final`` is absent, empty or a complete checkpoint holding only what it lists.
+
+    A save replaces the whole folder: anything else in it would be lost.
+    """
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise ConfigError(f"{str(final)!r} is a file; save_state needs a folder: pick another output_dir")
+    present = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != COMPLETE}
+    body = read_marker(final)
+    listed = set((body or {}).get("files") or ())
+    others = sorted(present - listed)
+    if others:
+        raise ConfigError(
+            f"{str(final)!r} holds files that are not part of a complete checkpoint ({', '.join(others[:3])}"
+            f"{' ...' if len(others) > 3 else ''}); save_state replaces the whole folder, so it refuses: move them "
+            "or pick another output_dir"
+        )
+
+
+def _recover(final: Path) -> None:
+    """Finish a swap that a crash interrupted (main process, before a save): the newest complete folder wins."""
+    staging, replaced = _staging(final), _replaced(final)
+    if not final.exists():
+        for candidate in (staging, replaced):
+            if read_marker(candidate) is not None:
+                os.replace(candidate, final)
+                fsync_dir(final.parent)
+                break
+    for leftover in (staging, replaced):
+        if leftover.exists():
+            remove_marker(leftover)
+            shutil.rmtree(leftover)
+
+
+def _swap_in(staging: Path, final: Path) -> None:
+    """Put the committed ``staging`` folder in the place of ``final``; the previous one goes only after."""
+    replaced = _replaced(final)
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    fsync_dir(final.parent)
+    if replaced.exists():
+        remove_marker(replaced)
+        shutil.rmtree(replaced)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -82,17 +152,18 @@ def save_state(
     ``optimizer_<i>/``, ``torch.distributed.checkpoint``) and nothing is gathered. ``deepspeed``: the DeepSpeed
     strategy, whose engine writes model and optimizer (``deepspeed/``) instead.
     """
-    out = Path(directory)
-    rank = state.process_index
+    final = Path(directory)
+    _check_replaceable(final)  # every rank decides alike (the same files): none goes on alone
+    out = _staging(final)
     if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_marker(out)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _recover(final)
+        out.mkdir()
+    state.wait_for_everyone()
     if deepspeed is not None:
-        state.wait_for_everyone()
         deepspeed.save_checkpoint(deepspeed.engine, out / "deepspeed")
         models, optimizers, sharded = [], [], False  # in DeepSpeed's checkpoint
     if sharded:
-        state.wait_for_everyone()
         for i, model in enumerate(models):
             sharded_checkpoint.save_model(model, out / f"model_{i}")
         for i, optimizer in enumerate(optimizers):
@@ -110,17 +181,38 @@ def save_state(
         if scaler is not None:
             torch.save(scaler.state_dict(), out / "scaler.pt")
         (out / "state.json").write_text(json.dumps(extra or {}, indent=1))
-    state.wait_for_everyone()  # the directory exists before the ranks write into it
     per_rank = {
         "rng": _rng_state(state.device),
         "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
     }
-    torch.save(per_rank, out / f"rank_{rank}.pt")
+    torch.save(per_rank, out / f"rank_{state.process_index}.pt")
+    flush_tree(out)  # this rank's data reaches the disk before the marker can
     state.wait_for_everyone()
+    crcs = own_checksums(out)
     if state.is_main_process:
-        write_marker(out, world_size=state.num_processes)
+        write_marker(out, world_size=state.num_processes, crcs=crcs)
+        _swap_in(out, final)
     state.wait_for_everyone()
-    return out
+    return final
+
+
+def _complete(final: Path) -> Path:
+    """``final``, or the complete folder a crash during the swap left beside it (saying so)."""
+    if (final / COMPLETE).exists():
+        return final
+    for candidate in (_staging(final), _replaced(final)):
+        if (candidate / COMPLETE).exists():
+            logger.warning(
+                "load_state: %s is missing or incomplete (a save was interrupted while replacing it); loading the "
+                "complete copy %s",
+                final,
+                candidate,
+            )
+            return candidate
+    raise ConfigError(
+        f"{str(final)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
+        "saving); pick another checkpoint directory"
+    )
 
 
 def load_state(
@@ -137,12 +229,12 @@ def load_state(
     deepspeed: Any = None,
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
-    src = Path(directory)
-    if not (src / COMPLETE).exists():
-        raise ConfigError(
-            f"{str(src)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
-            "saving); pick another checkpoint directory"
-        )
+    src = _complete(Path(directory))
+    local = (state.topology.local_rank, max(1, state.topology.local_world_size))
+    try:
+        verify_together(src, part=local)  # sizes, checksums, safe headers; the ranks share the reading
+    except CheckpointError as error:
+        raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
     if saved_ranks != state.num_processes:
         raise ConfigError(
