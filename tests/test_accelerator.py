@@ -303,3 +303,21 @@ def test_register_for_checkpointing_and_load_state_without_a_directory(tmp_path:
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     with pytest.raises(ConfigError, match="needs a directory, or project_dir"):
         Accelerator(cpu=True).load_state()
+
+
+@pytest.mark.gpu
+def test_unscale_gradients_of_one_optimizer_under_fp16() -> None:
+    """fp16 gradients carry the loss scale until ``unscale_gradients(optimizer=...)``; then they are the true ones."""
+    accelerator = Accelerator(mixed_precision="fp16")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    reference = torch.nn.Linear(8, 1).to(accelerator.device)
+    reference.load_state_dict(model.state_dict())
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs = torch.randn(4, 8, device=accelerator.device)
+    accelerator.backward(model(inputs).float().sum())
+    reference(inputs).sum().backward()
+    scale = accelerator.scaler.get_scale()
+    assert scale > 1 and torch.allclose(model.weight.grad / scale, reference.weight.grad, rtol=1e-2, atol=1e-4)
+    accelerator.unscale_gradients(optimizer=optimizer)
+    assert torch.allclose(model.weight.grad, reference.weight.grad, rtol=1e-2, atol=1e-4)

@@ -251,8 +251,13 @@ class Accelerator:
         self.engine.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def unscale_gradients(self) -> None:
-        self.engine.unscale_gradients()
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale the fp16 gradients of ``optimizer`` (one, a list, or every prepared one) before reading them."""
+        if optimizer is None:
+            self.engine.unscale_gradients()
+            return
+        for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+            self.engine.precision.unscale_(getattr(opt, "optimizer", opt))
 
     # -- processes ------------------------------------------------------------------------------
     def wait_for_everyone(self) -> None:
