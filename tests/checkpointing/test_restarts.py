@@ -67,8 +67,11 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(tmp_path: Path, 
             assert float((final[name] - reference[name]).abs().max()) <= 1e-6, name
 
 
-def test_a_dead_rank_without_restarts_ends_the_job_naming_it(tmp_path: Path) -> None:
-    proc, seconds = _launch(tmp_path, "die")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_dead_rank_without_restarts_ends_the_job_naming_it(tmp_path: Path, strategy: str) -> None:
+    _skip_without(strategy)
+    proc, seconds = _launch(tmp_path, "die", strategy=strategy)
+    print(f"dead-rank test wall time ({strategy}): {seconds:.1f}s")
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "signal 9" in proc.stderr, proc.stderr[-3000:]
     assert seconds < 120, "the surviving rank must not wait for a collective that never comes"
