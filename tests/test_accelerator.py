@@ -252,6 +252,8 @@ def test_device_placement_false_leaves_models_and_batches_where_they_are() -> No
     with torch.device("meta"):
         model = torch.nn.Linear(2, 2)
     assert placed.prepare(model, device_placement=[False]).weight.device.type == "meta"
+    assert [b.device.type for b in placed.prepare(batches, device_placement=[False])] == ["meta", "meta"]
+    assert [b.device.type for b in placed.prepare_data_loader(batches, device_placement=False)] == ["meta", "meta"]
     with pytest.raises(ConfigError, match="device_placement has 2 entries for 1 objects"):
         placed.prepare(model, device_placement=[False, True])
 

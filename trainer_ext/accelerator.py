@@ -206,8 +206,8 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.engine.prepare_optimizer(optimizer)
 
-    def prepare_data_loader(self, data_loader: DataLoader) -> DataLoader:
-        return self.engine.prepare_dataloader(data_loader)
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
+        return self.engine.prepare_dataloader(data_loader, device_placement=device_placement)
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         if isinstance(scheduler, PreparedScheduler):

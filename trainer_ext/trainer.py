@@ -89,9 +89,10 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
         self.add_callback(RunSummaryCallback(self))
-        present = {type(callback) for callback in self.callback_handler.callbacks}
+        present = self.callback_handler.callbacks
         for default in (MainProcessLoggingCallback, BarrierCallback, UnwrapAndSaveCallback):
-            if default not in present:  # a user's own instance (callbacks=[...]) wins over the default
+            # a user's own instance (callbacks=[...]), a subclass's too, takes the default's place
+            if not any(isinstance(callback, default) for callback in present):
                 self.add_callback(default() if default is BarrierCallback else default(self))
 
     def _fix_loss_kwargs_detection(self) -> None:

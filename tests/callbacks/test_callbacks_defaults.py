@@ -30,11 +30,6 @@ def test_a_users_instance_takes_the_defaults_place(tmp_path: Path, default: type
     assert [c for c in trainer.callback_handler.callbacks if isinstance(c, default)] == [mine]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer_ext/trainer.py compares exact types: a subclass instance gets the default added beside it "
-    "(two barriers, two final saves); use isinstance there, then drop this marker",
-)
 def test_a_users_subclass_takes_the_defaults_place(tmp_path: Path) -> None:
     class QuickBarrier(BarrierCallback):
         pass

@@ -143,8 +143,9 @@ class Engine:
         for i, obj in enumerate(out):
             if isinstance(obj, torch.optim.Optimizer):
                 out[i] = self.prepare_optimizer(obj)
-            elif isinstance(obj, DataLoader):
-                out[i] = self.prepare_dataloader(obj)
+        for i, (obj, place) in enumerate(zip(out, placement, strict=True)):
+            if isinstance(obj, DataLoader):
+                out[i] = self.prepare_dataloader(obj, device_placement=place)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_joint(self, objects: list[Any]) -> None:
@@ -200,7 +201,9 @@ class Engine:
         self._optimizers.append(wrapped)
         return wrapped
 
-    def prepare_dataloader(self, dataloader: DataLoader) -> DataLoader:
+    def prepare_dataloader(self, dataloader: DataLoader, device_placement: bool | None = None) -> DataLoader:
+        """Shard ``dataloader`` over the processes; its batches move to our device unless placement is off."""
+        place = self.device_placement if device_placement is None else device_placement
         seed = self.seed if self.seed is not None else torch.random.initial_seed()
         loader = shard_dataloader(
             dataloader,
@@ -208,7 +211,7 @@ class Engine:
             process_index=self.process_index,
             gradient_state=self.gradient_state,
             seed=seed,
-            device=self.device if self.device_placement else None,
+            device=self.device if place else None,
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
         )
