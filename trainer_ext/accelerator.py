@@ -469,4 +469,10 @@ def newest_complete(root: Path) -> Path:
             f"load_state(): no complete checkpoint under {str(root)!r}; call save_state() first, or pass the "
             "checkpoint directory"
         )
-    return max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))
+    newest = max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))
+    # a save interrupted while swapping folders leaves ".NAME.saving" / ".NAME.replaced": load NAME, whose
+    # loader finds that complete copy and says so
+    for suffix in (".saving", ".replaced"):
+        if newest.name.startswith(".") and newest.name.endswith(suffix):
+            return newest.with_name(newest.name[1 : -len(suffix)])
+    return newest

@@ -89,6 +89,12 @@ def test_a_crash_between_the_two_renames_loads_the_complete_copy(tmp_path: Path,
         accelerator.load_state(first)
     assert "loading the complete copy" in caplog.text
     _assert_weights(model, newer)
+    _step(accelerator, model, optimizer)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        accelerator.load_state()  # no folder: the newest complete checkpoint, found through the hidden copy
+    assert "loading the complete copy" in caplog.text
+    _assert_weights(model, newer)
     accelerator.save_state()  # finishes the interrupted swap, then saves
     assert sorted(os.listdir(first.parent)) == [first.name]
 
