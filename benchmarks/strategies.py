@@ -38,17 +38,42 @@ DS_PRESETS = {
 }
 
 
-def _raw_deepspeed_config(stage: int, batch: int, bf16: bool) -> dict[str, Any]:
-    """What the presets resolve to for this run, written out for the raw DeepSpeed loop."""
-    return {
-        "train_micro_batch_size_per_gpu": batch,
+def _raw_deepspeed_config(strategy: str, cfg: dict[str, Any], world: int, bf16: bool) -> dict[str, Any]:
+    """The strategy's preset with every ``"auto"`` written out as trainer_ext resolves it for this run.
+
+    The raw loop must run the same DeepSpeed config as the frameworks, or the ratio measures the config: the
+    ``"auto"`` bucket sizes follow transformers' convention (hidden size squared), which on a tiny model means
+    one all-reduce per parameter instead of DeepSpeed's default of one per step.
+    """
+    h = cfg["hidden_size"]
+    values = {
+        "train_micro_batch_size_per_gpu": cfg["batch"],
         "gradient_accumulation_steps": 1,
+        "train_batch_size": cfg["batch"] * world,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
+        "fp16.enabled": False,
+        "bf16.enabled": bf16,
+        "zero_optimization.reduce_bucket_size": h * h,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * h,
     }
+
+    def fill(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                out[key] = fill(value, path + ".")
+            elif value == "auto":
+                out[key] = values[path]  # a KeyError names an "auto" this benchmark does not know yet
+            else:
+                out[key] = value
+        return out
+
+    config = fill(json.loads(DS_PRESETS[strategy].read_text()))
+    config["zero_allow_untested_optimizer"] = True  # a torch AdamW, as the frameworks pass it
+    config["steps_per_print"] = 10**9
+    return config
 
 
 def _loader(data: Any, batch: int, rank: int, world: int) -> Any:
@@ -89,7 +114,7 @@ def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device:
     if strategy.startswith("zero"):
         import deepspeed
 
-        config = _raw_deepspeed_config(int(strategy[-1]), cfg["batch"], bf16)
+        config = _raw_deepspeed_config(strategy, cfg, world, bf16)
         model, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
