@@ -112,3 +112,53 @@ def test_validate_ok_shows_what_the_file_resolves_to(gpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{good}: OK" in out and "nproc_per_node               2" in out
     assert main(["config", "validate"]) == 2
+
+
+def one_error_line(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def test_a_path_that_cannot_be_written_is_one_error_line(gpus, capsys):
+    err = one_error_line(capsys, ["config", "--default", "--config_file", "/proc/nope/x.yaml"])
+    assert "cannot write /proc/nope/x.yaml" in err and "choose another --config_file" in err
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_directory_is_refused_and_left_alone(gpus, tmp_path, capsys, overwrite):
+    kept = tmp_path / "keep.txt"
+    kept.write_text("mine")
+    err = one_error_line(capsys, ["config", "--default", "--config_file", str(tmp_path), *overwrite])
+    assert f"{tmp_path} is a directory; --config_file takes the path of a file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "keep.txt"] and kept.read_text() == "mine"
+
+
+def test_the_questionnaire_refuses_a_directory_before_asking(gpus, tmp_path, monkeypatch, capsys):
+    answer(monkeypatch)
+    err = one_error_line(capsys, ["config", "--config_file", str(tmp_path)])
+    assert "is a directory" in err and capsys.readouterr().out == ""
+
+
+FSDP_NO_SHARD = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "use_cpu": True,
+    "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_auto_wrap_polcy": "TRANSFORMER_BASED_WRAP"},
+}
+
+
+def test_validate_checks_the_fsdp_settings(gpus, tmp_path, capsys):
+    bad = tmp_path / "fsdp.yaml"
+    bad.write_text(yaml.safe_dump(FSDP_NO_SHARD))
+    assert main(["config", "validate", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert f"{bad}: 1 problem(s)" in out
+    assert "sharding_strategy NO_SHARD replicates the whole model" in out
+    assert "unknown key 'fsdp_auto_wrap_polcy'. Did you mean 'auto_wrap_policy'" in out
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump({**FSDP_NO_SHARD, "num_processes": 1, "fsdp_config": {"fsdp_version": 2}}))
+    assert main(["config", "validate", str(one)]) == 2
+    assert "FSDP shards the model over processes and this job has one" in capsys.readouterr().out

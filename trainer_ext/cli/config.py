@@ -31,6 +31,7 @@ from .launch_config import (
     read_config_file,
     whole_number,
 )
+from .launch_fsdp import fsdp_problems
 from .launch_settings import resolve
 
 HEADER = (
@@ -134,16 +135,31 @@ def default_config(gpu_count: int) -> dict[str, Any]:
 
 
 def write_config(path: Path, config: dict[str, Any]) -> None:
-    """Write ``config`` as YAML with a header saying what it is."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(HEADER + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    """Write ``config`` as YAML with a header saying what it is; ConfigError when the file cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(HEADER + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    except OSError as error:
+        why = error.strerror or str(error)
+        where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+        raise ConfigError(f"cannot write {path}: {why}{where}; choose another --config_file") from None
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse, before any question, a path that is a folder or an existing file not to be replaced."""
+    if path.is_dir():
+        raise ConfigError(
+            f"{path} is a directory; --config_file takes the path of a file, e.g. {path / 'default_config.yaml'}"
+        )
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or --config_file elsewhere")
 
 
 def explain(path: Path) -> tuple[list[str], str]:
     """Every problem with the config file at ``path``, and a report of what it resolves to."""
     config = read_config_file(path)
     settings = resolve({}, config)
-    problems = config.problems + settings.problems
+    problems = config.problems + settings.problems + fsdp_problems(settings)
     lines = [f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
     lines += [f"  - {p.removeprefix(f'{path}: ')}" for p in problems]
     if config.ignored:
@@ -178,10 +194,10 @@ def run_config(argv: Sequence[str]) -> int:
     path = Path(args.config_file).expanduser() if args.config_file else default_config_path()
     gpu_count = launch_settings.visible_gpus()
     if args.default:
-        if path.exists() and not args.overwrite:
-            raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or --config_file elsewhere")
+        _check_target(path, args.overwrite)
         config = default_config(gpu_count)
     else:
+        _check_target(path, overwrite=True)  # a folder is refused before the questions; a file is replaced
         config = questionnaire(Questions(), gpu_count)
     existed = path.exists()
     write_config(path, config)
