@@ -63,3 +63,16 @@ def test_self_test_names_a_rank_that_never_arrives():
     assert "FAIL barrier     rank(s) 1 never arrived within 3 s" in proc.stdout
     assert "SKIP gather, training" in proc.stdout
     assert "self-test FAILED" in proc.stderr and "Traceback" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--timeout", "abc"], "error: test: --timeout: needs a number of seconds, e.g. 30 (got 'abc')"),
+        (["--timeout", "0"], "error: test: --timeout: must be a positive number of seconds (got '0')"),
+        (["--timeout"], "error: test: --timeout: expected one argument"),
+    ],
+)
+def test_a_bad_timeout_is_one_error_line(gpus, capsys, argv, message):
+    assert main(["test", *argv]) == 2
+    assert capsys.readouterr().err == message + "\n"

@@ -18,20 +18,31 @@ from .launch import describe, execute, prepare
 WORKER = "trainer_ext.cli.selftest_worker"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(f"test: {message.removeprefix('argument ')}")
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a positive number of seconds, else a one-line error saying so."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a number of seconds, e.g. 30 (got {text!r})") from None
+    if not seconds > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return seconds
+
+
 def run_test(argv: Sequence[str]) -> int:
     """Launch the self-test worker on every process; exit code 0 when every check passed."""
-    parser = argparse.ArgumentParser(prog="trainer-ext test", add_help=False, allow_abbrev=False)
-    parser.add_argument("--timeout", type=float, default=30.0)
+    parser = _Parser(prog="trainer-ext test", add_help=False, allow_abbrev=False)
+    parser.add_argument("--timeout", type=_seconds, default=30.0)
     parser.add_argument("--simulate_hang", "--simulate-hang", type=int, default=None)
     if any(word in ("-h", "--help") for word in argv):
         print(f"usage: trainer-ext test [launch options] [--timeout SECONDS]\n\n{__doc__}")
         return 0
-    try:
-        own, launch_options = parser.parse_known_args(list(argv))
-    except SystemExit:
-        raise ConfigError("test: --timeout needs a number of seconds") from None
-    if own.timeout <= 0:
-        raise ConfigError("test: --timeout must be positive")
+    own, launch_options = parser.parse_known_args(list(argv))
     stray = [word for word in launch_options if word in ("train", "-m", "--module") or word.endswith(".py")]
     if stray:
         raise ConfigError(f"test: takes launch options only, not a target ({stray[0]!r})")
