@@ -153,7 +153,7 @@ def test_deepspeed_and_fsdp_become_train_flags(gpus, tmp_path):
     fsdp.write_text("{}")
     _, plan = plan_of("--deepspeed", str(ds), "train")
     assert plan.command[-2:] == ["--deepspeed", str(ds)]
-    _, plan = plan_of("--fsdp_config", str(fsdp), "train", "--max_steps", "1")
+    _, plan = plan_of("--num_processes", "2", "--fsdp_config", str(fsdp), "train", "--max_steps", "1")
     assert plan.command[-4:] == ["--fsdp", "full_shard", "--fsdp_config", str(fsdp)]
 
 
@@ -292,3 +292,69 @@ def test_training_arguments_in_a_script_read_the_precision_variable(monkeypatch,
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     assert TrainingArguments(str(tmp_path), use_cpu=True, report_to="none").mixed_precision == "bf16"
+
+
+def test_one_process_with_restarts_goes_through_torchrun_on_loopback(gpus, script, capsys):
+    settings, plan = plan_of("--cpu", "--max_restarts", "2", "--rdzv_timeout", "30", script)
+    args = plan.torchrun_args
+    assert args is not None and plan.command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert args[args.index("--nproc_per_node") + 1] == "1" and args[args.index("--max_restarts") + 1] == "2"
+    assert args[args.index("--rdzv_endpoint") + 1] == "127.0.0.1:0"
+    assert args[args.index("--local_addr") + 1] == "127.0.0.1"
+    assert args[args.index("--rdzv_conf") + 1] == "join_timeout=30"
+    assert settings["main_process_ip"] == "127.0.0.1" and plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert main(["launch", "--cpu", "--max_restarts", "2", "--dry_run", script]) == 0
+    command = capsys.readouterr().out.split("command:\n")[1]
+    assert "-m torch.distributed.run --nnodes 1 --nproc_per_node 1" in command and "--max_restarts 2" in command
+
+
+def test_rdzv_timeout_without_restarts_on_one_process_is_noted_as_ignored(gpus, script):
+    settings, plan = plan_of("--cpu", "--rdzv_timeout", "30", script)
+    assert plan.torchrun_args is None
+    assert any(note.startswith("rdzv_timeout (command line --rdzv_timeout) is ignored") for note in settings.notes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--mixed_precision", "bf61"],
+            "error: launch: --mixed_precision: 'bf61' is not one of no, bf16, fp16, fp8. Did you mean 'bf16'?",
+        ),
+        (
+            ["--rdzv_backend", "c10"],
+            "error: launch: --rdzv_backend: 'c10' is not one of static, c10d, etcd, etcd-v2. Did you mean 'c10d'?",
+        ),
+    ],
+)
+def test_a_bad_choice_is_one_line_with_the_closest_valid_value(gpus, capsys, script, argv, line):
+    assert error_of(capsys, *argv, script) == line + "\n"
+
+
+def _this_machines_address() -> str:
+    """A non-loopback address of this machine (no packet is sent); skip the test where there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            address = "127.0.0.1"
+    if address.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    return address
+
+
+def test_c10d_checks_the_port_on_the_machine_that_hosts_the_store(gpus, capsys, script):
+    """Under c10d the machine whose address is main_process_ip hosts the store: a busy port there is refused."""
+    here = _this_machines_address()
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        c10d = ["--num_machines", "2", "--rdzv_backend", "c10d", "--main_process_port", port]
+        err = error_of(capsys, *c10d, "--main_process_ip", here, "--dry_run", script)  # broken: it would launch
+        assert f"port {port} is already in use on this machine" in err and "c10d rendezvous store is hosted" in err
+        # on loopback every "machine" runs here, so the busy port may be another launcher of the job: a note
+        settings, _ = plan_of(*c10d, "--main_process_ip", "127.0.0.1", script)
+        assert any(f"port {port} on 127.0.0.1 is already in use" in note for note in settings.notes)
+        plan_of(*c10d, "--main_process_ip", "203.0.113.7", script)  # another machine hosts it: nothing to check

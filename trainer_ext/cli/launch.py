@@ -1,10 +1,12 @@
 """``trainer-ext launch``: run a script, a module or ``train`` on 1..N processes and 1..M machines.
 
-Several processes go through ``torch.distributed.run`` (called as a library); one process on one
-machine is started directly, with no rendezvous and no torch.distributed variables. Settings come from
+Several processes go through ``torch.distributed.run`` (called as a library), and so does one process
+with ``--max_restarts`` (torchrun's agent restarts it; the rendezvous stays on loopback); one process
+otherwise is started directly, with no rendezvous and no torch.distributed variables. Settings come from
 the command line, then the config file, then defaults (see :mod:`.launch_settings`); everything that can
-be checked is checked before a process starts (a DeepSpeed config for ``train`` included), and ``--dry_run``
-shows the result with its sources and the DeepSpeed config as ``train`` will resolve it.
+be checked is checked before a process starts (the DeepSpeed or FSDP config of ``train`` included), and
+``--dry_run`` shows the result with its sources and the DeepSpeed config or FSDP settings as ``train`` will
+resolve them.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ import argparse
 import contextlib
 import errno
 import importlib.util
+import ipaddress
 import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, did_you_mean
-from .launch_config import MIXED_PRECISION, RDZV_BACKENDS, find_config_file, read_config_file
+from .launch_config import MIXED_PRECISION, RDZV_BACKENDS, find_config_file, one_of, read_config_file
+from .launch_fsdp import FSDPPreview, preview_fsdp
 from .launch_settings import Settings, resolve
 from .launch_train_args import (
     DeepSpeedPreview,
@@ -40,7 +44,20 @@ RDZV_ID = "trainer_ext"
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
-        raise ConfigError(f"launch: {message}")
+        raise ConfigError(f"launch: {message.removeprefix('argument ')}")
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: one of ``choices``, else a one-line error naming them and the closest."""
+    convert = one_of(choices)
+
+    def check(text: str) -> str:
+        try:
+            return convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return check
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--machine_rank", "--node_rank", dest="machine_rank", type=int, metavar="R", help="this machine: 0..M-1")
     add("--main_process_ip", metavar="HOST", help="address of machine 0 (needed with several machines)")
     add("--main_process_port", type=int, metavar="PORT", help="rendezvous port (default: free port / 29500)")
-    add("--rdzv_backend", choices=RDZV_BACKENDS, help="several machines: static (default) or c10d")
+    add("--rdzv_backend", type=_one_of(RDZV_BACKENDS), help="several machines: static (default) or c10d")
     add("--rdzv_timeout", type=int, metavar="SECONDS", help="how long machines wait for each other")
     add("--max_restarts", type=int, metavar="N", help="restart the processes up to N times after a failure")
     add("--cpu", action="store_const", const=True, help="run on the CPU even if GPUs are present")
     add("--no_cpu", dest="cpu", action="store_const", const=False, help="undo use_cpu from a config file")
     add("--gpu_ids", metavar="IDS", help="GPUs to use on this machine: all, or e.g. 0,1")
-    add("--mixed_precision", choices=MIXED_PRECISION, help="no, bf16, fp16 or fp8")
+    add("--mixed_precision", type=_one_of(MIXED_PRECISION), help="no, bf16, fp16 or fp8")
     add("--gradient_accumulation_steps", type=int, metavar="N", help="micro-batches per optimizer step")
     add("--deepspeed", metavar="CONFIG", help="DeepSpeed JSON, passed to train as --deepspeed")
     add("--fsdp_config", metavar="CONFIG", help="FSDP config, passed to train as --fsdp full_shard --fsdp_config")
@@ -94,6 +111,7 @@ class Plan:
     torchrun_args: list[str] | None
     notes: list[str]
     deepspeed: DeepSpeedPreview | None = None
+    fsdp: FSDPPreview | None = None
 
 
 def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], Target | None]:
@@ -197,13 +215,15 @@ def rendezvous_args(s: Settings) -> list[str]:
 def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     """The command and environment for ``target`` under settings ``s`` (``strategy=False``: DDP only)."""
     notes: list[str] = []
-    deepspeed = None
+    deepspeed = fsdp = None
     if target.kind == "train":
         user_args = target.args
         target, env = translate_for_train(s, target, notes, strategy)
         if strategy:
             deepspeed = preview_deepspeed(s, user_args, target.args)
             notes += deepspeed.notes if deepspeed else []
+            fsdp = preview_fsdp(s, user_args, target.args)
+            notes += fsdp.notes if fsdp else []
     else:
         env = translate_for_script(s, target, notes, strategy)
     if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
@@ -213,15 +233,15 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     if int(s["max_restarts"] or 0) > 0:
         # restarted workers otherwise reuse the agent's store and look up the dead attempt's addresses
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if s.world_size == 1:
-        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed)
+    if s.world_size == 1 and not s["max_restarts"]:
+        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
     torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])]
     if target.kind == "script":
         torchrun += [target.name, *target.args]
     else:
         torchrun += target.python_argv()
-    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed)
+    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed, fsdp)
 
 
 def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan, bool]:
@@ -257,13 +277,39 @@ def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan,
 
 
 def _port_problems(s: Settings) -> list[str]:
-    """The rendezvous port must be free where this launcher will open it (machine 0, or the only one)."""
-    port = s["main_process_port"]
-    opens_here = s["num_machines"] == 1 or (s["rdzv_backend"] == "static" and s["machine_rank"] == 0)
-    if not port or s.world_size == 1 or not opens_here:
+    """The rendezvous port must be free where this launcher will open it.
+
+    That is the only machine, machine 0 of a static rendezvous, and under c10d the machine whose address is
+    main_process_ip (torch hosts the store there; on a busy port it would join whatever listens instead).
+    """
+    port, host, backend = s["main_process_port"], s["main_process_ip"], s["rdzv_backend"]
+    if not port or host is None or backend not in ("static", "c10d"):
+        return []  # a free port chosen at start, no rendezvous, or an external etcd server
+    several = s["num_machines"] > 1
+    if several and backend == "static" and s["machine_rank"] != 0:
+        return []  # connects to machine 0
+    problem = port_problem(host, port)
+    if problem is None:
         return []
-    problem = port_problem(s["main_process_ip"], port)
-    return [problem] if problem else []
+    if several and backend == "c10d":
+        if _is_loopback(host):  # every machine of the job is on this host: the store may be another one's
+            s.notes.append(
+                f"port {port} on {host} is already in use: fine if another machine of this job (started on this "
+                "same host) hosts the rendezvous there; otherwise pick another --main_process_port"
+            )
+            return []
+        problem += (
+            f" (the c10d rendezvous store is hosted here, at main_process_ip {host}; several launchers of one job "
+            "on this same host meet on main_process_ip 127.0.0.1)"
+        )
+    return [problem]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name
+        return False
 
 
 def _say(text: str) -> None:
@@ -276,6 +322,8 @@ def describe(settings: Settings, plan: Plan) -> str:
     lines.append(settings.table())
     if plan.deepspeed is not None:
         lines += _describe_deepspeed(plan.deepspeed)
+    if plan.fsdp is not None:
+        lines += plan.fsdp.lines()
     notes = settings.notes + plan.notes
     if notes:
         lines += ["notes:"] + [f"  - {n}" for n in notes]

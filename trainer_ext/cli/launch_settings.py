@@ -146,7 +146,10 @@ def resolve(cli: Mapping[str, tuple[Any, str]], config: ConfigFile | None, gpu_c
 
 
 def _derive_rendezvous(s: Settings) -> None:
-    """One machine always meets on loopback; several meet at the main address (static by default)."""
+    """One machine always meets on loopback; several meet at the main address (static by default).
+
+    One process needs no rendezvous, unless it may be restarted: torchrun's agent (on loopback) does that.
+    """
     if s["num_machines"] > 1:
         if s["main_process_port"] is None:
             s.values["main_process_port"] = 29500
@@ -154,9 +157,14 @@ def _derive_rendezvous(s: Settings) -> None:
     for name, used in (("main_process_ip", ("127.0.0.1", "localhost")), ("rdzv_backend", ("static", "c10d"))):
         if s.given(name) and s[name] not in used:  # accelerate writes rdzv_backend: static into every file
             s.notes.append(f"{name} ({s.sources[name]}) is ignored on one machine: the rendezvous binds to 127.0.0.1")
-    if s.world_size == 1:
+    if s.world_size == 1 and not s["max_restarts"]:
         for name in ("main_process_ip", "main_process_port", "rdzv_backend"):
             s.values[name], s.sources[name] = None, "derived: one process needs no rendezvous"
+        if s["rdzv_timeout"]:
+            s.notes.append(
+                f"rdzv_timeout ({s.sources['rdzv_timeout']}) is ignored: one process without --max_restarts is "
+                "started directly, with no rendezvous to wait for"
+            )
         return
     s.values["main_process_ip"], s.sources["main_process_ip"] = "127.0.0.1", "derived: one machine, loopback only"
     s.values["rdzv_backend"], s.sources["rdzv_backend"] = "c10d", "derived: one machine (torchrun --standalone)"
