@@ -126,3 +126,19 @@ def test_a_machine_that_never_comes_is_diagnosed(tmp_path, home):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "error: the machines did not meet at 127.0.0.1:" in err and "1/2 clients joined" in err
+
+
+def test_one_process_is_restarted_after_a_crash(tmp_path, home):
+    """--max_restarts on one process: torchrun's agent (loopback) starts it again, and the run ends with 0."""
+    script = tmp_path / "crash_once.py"
+    script.write_text(
+        "import os, pathlib, sys\n"
+        "attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', 'none')\n"
+        "pathlib.Path(sys.argv[1], f'attempt-{attempt}').write_text(os.environ.get('MASTER_ADDR', '-'))\n"
+        "sys.exit(0 if attempt not in ('none', '0') else 1)  # the first attempt crashes\n"
+    )
+    proc = launch("--cpu", "--max_restarts", "1", str(script), str(tmp_path), env=environment(home))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    attempts = {p.name: p.read_text() for p in tmp_path.glob("attempt-*")}
+    assert attempts == {"attempt-0": "127.0.0.1", "attempt-1": "127.0.0.1"}
