@@ -142,3 +142,141 @@ def test_sharded_scripts_train_the_same_job_as_ddp(tmp_path: Path, ddp_run, laun
     assert sharded.keys() == ddp.keys()
     assert max(float((sharded[k].float() - ddp[k].float()).abs().max()) for k in ddp) < 1e-5
     assert _eval_metrics(out)["eval_accuracy"] == _eval_metrics(ddp_run[0])["eval_accuracy"]
+
+
+# --- What the scripts hand to the launcher: stand-ins for trainer-ext, srun and scontrol, or the real launcher's
+# --- dry run. Nothing trains here.
+
+RECORD_ARGV = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$FAKE_LOG/argv"\n'
+# srun: the task once per node, one after another, with that node's SLURM_NODEID; FAKE_SRUN_STATUS: only exit so
+FAKE_SRUN = """#!/usr/bin/env bash
+options=()
+while [[ "$1" == --* ]]; do options+=("$1"); shift; done
+echo "${options[*]}" > "$FAKE_LOG/srun_options"
+if [[ -n "${FAKE_SRUN_STATUS:-}" ]]; then exit "$FAKE_SRUN_STATUS"; fi
+status=0
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node "$@" > "$FAKE_LOG/node$node.out" 2> "$FAKE_LOG/node$node.err" || status=$?
+done
+exit "$status"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG/scontrol"
+if [[ "$1 $2" == "show hostnames" ]]; then printf 'node01\\nnode02\\n'; fi
+"""
+
+
+def _stand_ins(tmp_path: Path, launch_config: str, **programs: str) -> dict[str, str]:
+    """An environment whose PATH finds ``programs`` (name -> bash text) first; they write under $FAKE_LOG."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in programs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = _environment(launch_config, FAKE_LOG=str(log))
+    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    return env
+
+
+def _script(name: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    command = ["bash", str(ROOT / "scripts" / name), *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").iterdir()))
+def test_every_script_is_valid_bash(script: str) -> None:
+    proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "launch_options"),
+    [
+        ("single_gpu.sh", {}, ["--num_machines", "1", "--num_processes", "1", "--gpu_ids", "0"]),
+        ("single_gpu.sh", {"GPU": "3", "DRY_RUN": "1"}, ["--num_machines", "1", "--num_processes", "1"]),
+        ("multi_gpu.sh", {}, ["--num_machines", "1", "--gpu_ids", "all"]),
+        ("multi_gpu.sh", {"GPUS": "0,1", "NPROC": "1", "DRY_RUN": "1"}, ["--num_machines", "1", "--gpu_ids", "0,1"]),
+    ],
+)
+def test_gpu_scripts_build_the_launch_command(tmp_path: Path, launch_config, script, env, launch_options) -> None:
+    """The argv single_gpu.sh and multi_gpu.sh give `trainer-ext` (a stand-in that records it)."""
+    environ = _stand_ins(tmp_path, launch_config, **{"trainer-ext": RECORD_ARGV})
+    proc = _script(script, "--max_steps", "3", "--bf16", env={**environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    expected = ["launch", *launch_options]
+    if "GPU" in env:
+        expected += ["--gpu_ids", env["GPU"]]
+    if "NPROC" in env:
+        expected += ["--nproc_per_node", env["NPROC"]]
+    if "DRY_RUN" in env:
+        expected.append("--dry_run")
+    expected += ["train", "--max_steps", "3", "--bf16"]
+    assert (tmp_path / "log" / "argv").read_text().splitlines() == expected
+
+
+@pytest.mark.parametrize("script", ["single_gpu.sh", "multi_gpu.sh"])
+def test_gpu_scripts_without_a_gpu_say_so_before_starting(launch_config, script) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU (see the gpu test below)")
+    proc = _script(script, "--max_steps", "3", env=_environment(launch_config, DRY_RUN="1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "GPUs are asked for" in proc.stderr and "this machine has no CUDA GPU that torch can use" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_scripts_dry_run_on_a_gpu_machine(launch_config) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    single = _script("single_gpu.sh", "--max_steps", "3", env=_environment(launch_config, DRY_RUN="1"))
+    assert single.returncode == 0, single.stderr
+    assert f"CUDA_VISIBLE_DEVICES=0 {sys.executable} -u -m trainer_ext train --max_steps 3" in single.stdout
+    multi = _script("multi_gpu.sh", "--max_steps", "3", env=_environment(launch_config, DRY_RUN="1"))
+    assert multi.returncode == 0, multi.stderr
+    count = torch.cuda.device_count()
+    if count == 1:
+        assert f"{sys.executable} -u -m trainer_ext train --max_steps 3" in multi.stdout
+    else:
+        assert f"--nproc_per_node {count}" in multi.stdout and "-m torch.distributed.run" in multi.stdout
+
+
+def test_fsdp_script_dry_run_shows_the_preset_settings(launch_config) -> None:
+    proc = _script("fsdp.sh", "--max_steps", "3", env=_environment(launch_config, DEVICE="cpu", DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "FSDP2 settings from command line --fsdp_config, as train will apply them (fully_shard):" in proc.stdout
+    assert "--fsdp full_shard --fsdp_config" in proc.stdout.split("command:")[1]
+
+
+SLURM = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_slurm_script_launches_every_node_with_its_rank(tmp_path: Path, launch_config) -> None:
+    """Fake srun runs the task for nodes 0 and 1; the real launcher's dry run shows what each node would start."""
+    env = _stand_ins(tmp_path, launch_config, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
+    env.update(SLURM, MASTER_PORT="29611", NPROC_PER_NODE="2", DRY_RUN="1")
+    proc = _script("slurm.sbatch", "--max_steps", "3", env=env)
+    log = tmp_path / "log"
+    assert proc.returncode == 0, proc.stderr + "".join(p.read_text() for p in log.glob("node*.err"))
+    assert (log / "scontrol").read_text().splitlines() == ["show hostnames node[01-02]"]  # no requeue
+    assert (log / "srun_options").read_text().split() == ["--kill-on-bad-exit=1"]
+    for node in (0, 1):
+        out = (log / f"node{node}.out").read_text()
+        rows = {line.split()[0]: line.split()[1:] for line in out.split("command:")[0].splitlines()[2:]}
+        assert rows["num_machines"][0] == "2" and rows["machine_rank"][:3] == [str(node), "command", "line"]
+        assert rows["main_process_ip"][0] == "node01" and rows["main_process_port"][0] == "29611"
+        command = out.split("command:\n")[1].strip()
+        assert "-m torch.distributed.run --nnodes 2 --nproc_per_node 2 --rdzv_backend static" in command
+        assert f"--node_rank {node} --master_addr node01 --master_port 29611" in command
+        assert command.endswith("-m trainer_ext train --resume_from_checkpoint auto --max_steps 3")
+
+
+@pytest.mark.parametrize(("status", "requeued"), [(75, True), (138, True), (1, False), (0, False)])
+def test_slurm_script_requeues_after_a_preemption_save(tmp_path: Path, launch_config, status, requeued) -> None:
+    """Exit 75 (the ranks saved after SIGUSR1/SIGTERM) or 138 (the launcher got SIGUSR1): requeue; else not."""
+    env = _stand_ins(tmp_path, launch_config, srun=FAKE_SRUN, scontrol=FAKE_SCONTROL)
+    env.update(SLURM, FAKE_SRUN_STATUS=str(status))
+    proc = _script("slurm.sbatch", "--max_steps", "3", env=env)
+    assert proc.returncode == status
+    calls = (tmp_path / "log" / "scontrol").read_text().splitlines()
+    assert calls[1:] == (["requeue 4242"] if requeued else [])
+    assert ("preempted: checkpoint saved, requeueing job 4242" in proc.stdout) == requeued
