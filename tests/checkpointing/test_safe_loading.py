@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import pickle
 import shutil
@@ -16,10 +17,10 @@ from tiny import lm_dataset, tiny_llama
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from trainer_ext import Trainer
-from trainer_ext.checkpointing import COMPLETE, CheckpointError, verify, write_marker
+from trainer_ext.checkpointing import COMPLETE, CheckpointError, newest_complete, verify, write_marker
 from trainer_ext.checkpointing.marker import check_deepspeed_file
 from trainer_ext.dist import sharded_checkpoint
-from trainer_ext.dist.safe_dcp import UnsafeCheckpointError
+from trainer_ext.dist.safe_dcp import UnsafeCheckpointError, load_metadata
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,3 +142,102 @@ def test_deepspeed_latest_must_name_a_folder_beside_it(tmp_path: Path) -> None:
     (folder / COMPLETE).unlink()
     with pytest.raises(CheckpointError, match="latest names '../elsewhere/global_step2'"):
         verify(folder, require_marker=False)
+
+
+def test_a_padded_latest_is_still_checked(tmp_path: Path) -> None:
+    """DeepSpeed strips ``latest``: padding it must not skip the check (a long one is refused outright)."""
+    folder = tmp_path / "checkpoint-2"
+    _deepspeed_layout(folder, {"optimizer_state_dict": {"step": 1}})
+    shutil.copytree(folder, tmp_path / "elsewhere")
+    (folder / "latest").write_text("../elsewhere/global_step2" + " " * 1100)
+    write_marker(folder, world_size=1, step=2)
+    with pytest.raises(CheckpointError, match=r"latest has 1125 bytes, more than a DeepSpeed tag name"):
+        verify(folder)
+    (folder / "latest").write_text("../elsewhere/global_step2" + " " * 200)
+    write_marker(folder, world_size=1, step=2)
+    with pytest.raises(CheckpointError, match="latest names '../elsewhere/global_step2'"):
+        verify(folder)
+
+
+def test_a_linked_tag_folder_is_refused(tmp_path: Path) -> None:
+    """A tag folder that links elsewhere: its files would be loaded by DeepSpeed but never checked."""
+    ran = tmp_path / "code_ran"
+    folder = tmp_path / "checkpoint-2"
+    _deepspeed_layout(folder, {"optimizer_state_dict": {"step": 1}})
+    crafted = _deepspeed_layout(tmp_path / "elsewhere", {"optimizer_state_dict": {"loss_scaler": Touch(ran)}})
+    (folder / "global_step3").symlink_to(crafted.parent, target_is_directory=True)
+    (folder / "latest").write_text("global_step3")
+    write_marker(folder, world_size=1, step=2)
+    with pytest.raises(CheckpointError, match=r"global_step3 is a symbolic link"):
+        verify(folder)
+    (folder / COMPLETE).unlink()
+    with pytest.raises(CheckpointError, match=r"global_step3 is a symbolic link"):
+        verify(folder, require_marker=False)
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "../outside.bin", "/etc/hostname"])
+def test_a_marker_cannot_point_its_checksums_outside(tmp_path: Path, name: str) -> None:
+    """Checksum names come from the marker: only its own listed files are read (``/dev/zero`` would never end)."""
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    (folder / "state.json").write_text("{}")
+    (tmp_path / "outside.bin").write_bytes(b"x" * 10)
+    write_marker(folder, world_size=1, step=2)
+    body = json.loads((folder / COMPLETE).read_text())
+    body["crc32"][name] = 0
+    (folder / COMPLETE).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=r"has a checksum for .* does not list it among its files"):
+        verify(folder)
+    body["files"][name] = 10
+    (folder / COMPLETE).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=r"which is not a file inside the checkpoint"):
+        verify(folder)
+
+
+def test_a_dcp_tensor_path_pointing_outside_is_refused(tmp_path: Path) -> None:
+    """Tensor entries of DCP metadata may not name files outside their folder (verification and loading)."""
+    folder = tmp_path / "checkpoint-2"
+    _sharded_checkpoint(folder)
+    shutil.copytree(folder, tmp_path / "elsewhere")
+    metadata_file = folder / "model_sharded" / ".metadata"
+    metadata = load_metadata(metadata_file)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../elsewhere/model_sharded/" + info.relative_path
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    write_marker(folder, world_size=1, step=2)
+    with pytest.raises(CheckpointError, match=r"model_sharded/\.metadata points outside its folder"):
+        verify(folder)
+    with pytest.raises(UnsafeCheckpointError, match="points outside its folder"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sharded_checkpoint.load_model(tiny_llama(0), folder)
+
+
+def test_malformed_files_make_resume_fall_back_instead_of_crashing(tmp_path: Path) -> None:
+    """Headers and metadata of unexpected shapes are problems of the checkpoint, never crashes of the resume."""
+    _sharded_checkpoint(tmp_path / "checkpoint-2")
+    weird = tmp_path / "checkpoint-4"
+    weird.mkdir()
+    header = json.dumps({"a": 1}).encode()
+    (weird / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    write_marker(weird, world_size=1, step=4)
+    odd = tmp_path / "checkpoint-6"
+    _sharded_checkpoint(odd)
+    metadata = load_metadata(odd / "model_sharded" / ".metadata")
+    fqn = next(iter(metadata.state_dict_metadata))
+    metadata.state_dict_metadata[fqn] = torch.distributed.checkpoint.metadata.BytesStorageMetadata()
+    for index, info in metadata.storage_data.items():
+        if index.fqn == fqn:
+            info.offset = "start"  # DCP's classes, a value of the wrong type
+    (odd / "model_sharded" / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_marker(odd, world_size=1, step=6)
+    nested = tmp_path / "checkpoint-8"
+    nested.mkdir()
+    (nested / "trainer_state.json").write_text("[" * 100_000 + "]" * 100_000)
+    write_marker(nested, world_size=1, step=8)
+
+    chosen, skipped = newest_complete(tmp_path)
+    assert chosen == tmp_path / "checkpoint-2"
+    assert skipped[0].startswith("checkpoint-8: cannot be checked (RecursionError"), skipped
+    assert skipped[1].startswith("checkpoint-6: model_sharded/.metadata is malformed (TypeError"), skipped
+    assert skipped[2].startswith("checkpoint-4: model.safetensors has a malformed header"), skipped

@@ -24,6 +24,7 @@ COMPLETE = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
 _NOT_LOADED = {"training_args.bin"}
+_LATEST_MAX = 256  # bytes: DeepSpeed's ``latest`` holds a tag name such as ``global_step1200``
 
 
 class CheckpointError(Exception):
@@ -167,9 +168,14 @@ def check_safetensors(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path.name} is truncated or corrupted (header of {length} bytes in {size})")
         try:
             header = json.loads(handle.read(length))
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             raise CheckpointError(f"{path.name} has a corrupted header ({error})") from error
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"{path.name} has a malformed header (not safetensors' layout: {type(error).__name__} {error})"
+        ) from error
     if 8 + length + end > size:
         raise CheckpointError(f"{path.name} is truncated: {size} bytes, its header needs {8 + length + end}")
     return header
@@ -231,10 +237,27 @@ def check_deepspeed_file(path: Path) -> None:
 
 
 def check_deepspeed_latest(path: Path) -> None:
-    """``latest`` must name a tag folder beside it: DeepSpeed loads whatever folder it names."""
+    """``latest`` must name a real tag folder directly beside it: DeepSpeed loads whatever folder it names."""
+    size = path.stat().st_size
+    if size > _LATEST_MAX:
+        raise CheckpointError(
+            f"{path.name} has {size} bytes, more than a DeepSpeed tag name ({_LATEST_MAX} at most): it is corrupted "
+            "or crafted; pick another checkpoint"
+        )
     tag = path.read_text(encoding="utf-8").strip()
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not (path.parent / tag).is_dir():
-        raise CheckpointError(f"{path.name} names {tag!r}, which is not a checkpoint folder beside it")
+    target = path.parent / tag
+    if (
+        not tag
+        or "/" in tag
+        or "\\" in tag
+        or tag in (".", "..")
+        or target.is_symlink()
+        or not target.is_dir()
+        or target.resolve().parent != path.parent.resolve()
+    ):
+        raise CheckpointError(
+            f"{path.name} names {tag!r}, which is not a checkpoint folder beside it (a plain folder, not a link)"
+        )
 
 
 def check_zip(path: Path) -> None:
@@ -258,6 +281,25 @@ def check_dcp_metadata(path: Path) -> None:
         check_values(path.parent, load_metadata(path))
     except (UnsafeCheckpointError, OSError) as error:
         raise CheckpointError(str(error)) from error
+    except Exception as error:  # metadata of DCP's classes, holding values of unexpected types
+        raise CheckpointError(
+            f"{path.parent.name}/{path.name} is malformed ({type(error).__name__}: {error}); it is corrupted or crafted"
+        ) from error
+
+
+def _inside(src: Path, name: Any) -> Path:
+    """``src / name`` for a marker's file name; CheckpointError unless it is a relative path inside ``src``."""
+    path = src / name if isinstance(name, str) and name else None
+    if (
+        path is None
+        or Path(name).is_absolute()
+        or ".." in Path(name).parts
+        or not path.resolve().is_relative_to(src.resolve())
+    ):
+        raise CheckpointError(
+            f"{COMPLETE} lists {name!r}, which is not a file inside the checkpoint: corrupted or crafted"
+        )
+    return path
 
 
 def verify(
@@ -273,14 +315,28 @@ def verify(
         if require_marker:
             raise CheckpointError(f"no {COMPLETE} marker (missing, or interrupted while saving)")
         marker = {}
-    for name, size in (marker.get("files") or {}).items():
-        path = src / name
+    for path in src.rglob("*"):  # rglob does not enter linked folders: their files would go unchecked
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path.relative_to(src)} is a symbolic link: a checkpoint holds plain files and folders only (a "
+                "link lets the loader read files nobody checked); replace it with what it points to"
+            )
+    files, crcs = marker.get("files") or {}, marker.get("crc32") or {}
+    if not isinstance(files, dict) or not isinstance(crcs, dict):
+        raise CheckpointError(f"{COMPLETE} is malformed (its files or crc32 table is not a mapping)")
+    for name, size in files.items():
+        path = _inside(src, name)
         if not path.is_file():
             raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
         if path.stat().st_size != size:
             raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
+    for name in crcs:
+        if name not in files:
+            raise CheckpointError(
+                f"{COMPLETE} has a checksum for {name!r} but does not list it among its files: corrupted or crafted"
+            )
     index, count = part
-    for name, expected in sorted((marker.get("crc32") or {}).items())[index::count]:
+    for name, expected in sorted(crcs.items())[index::count]:
         if crc32(src / name) != expected:
             raise CheckpointError(f"{name} does not match its checksum in {COMPLETE} (corrupted after it was written)")
     for path in sorted(src.rglob("*")):
@@ -290,7 +346,7 @@ def verify(
             check_safetensors(path)
         elif path.name == ".metadata":
             check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
-        elif path.name == "latest" and path.stat().st_size < 1024:
+        elif path.name == "latest":
             check_deepspeed_latest(path)
         elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
             check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
@@ -322,6 +378,9 @@ def newest_complete(directory: str | os.PathLike) -> tuple[Path | None, list[str
             verify(path)
         except CheckpointError as error:
             skipped.append(f"{path.name}: {error}")
+            continue
+        except Exception as error:  # malformed beyond what the checks foresee: still not one to resume from
+            skipped.append(f"{path.name}: cannot be checked ({type(error).__name__}: {error})")
             continue
         return path, skipped
     return None, skipped

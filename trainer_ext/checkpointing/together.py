@@ -55,8 +55,8 @@ def verify_together(
         found, problem = verify(directory, require_marker=require_marker, part=part), None
     except CheckpointError as error:
         found, problem = {}, str(error)
-    except (OSError, ValueError) as error:  # unreadable: the other ranks must not wait for this one
-        found, problem = {}, f"cannot be read ({error})"
+    except Exception as error:  # unreadable, or malformed beyond what the checks foresee: no rank may wait alone
+        found, problem = {}, f"cannot be checked ({type(error).__name__}: {' '.join(str(error).split())[:300]})"
     problems = [p for p in _all(problem) if p is not None]
     if problems:
         raise CheckpointError(problems[0])

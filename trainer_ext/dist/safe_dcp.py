@@ -80,7 +80,24 @@ def load_metadata(path: str | os.PathLike) -> Metadata:
         raise UnsafeCheckpointError(
             f"{path.parent.name}/{path.name} holds a {type(metadata).__name__}, not DCP metadata"
         )
+    _check_paths(path, metadata)
     return metadata
+
+
+def _check_paths(path: Path, metadata: Metadata) -> None:
+    """Every file the metadata names (tensors and values alike) is a file name of its own folder."""
+    storage = metadata.storage_data or {}
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(
+            f"{path.parent.name}/{path.name} is malformed (its storage table is not a mapping)"
+        )
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise UnsafeCheckpointError(
+                f"{path.parent.name}/{path.name} points outside its folder ({name!r}): refused, it is corrupted or "
+                "crafted; pick another checkpoint"
+            )
 
 
 def _reason(error: BaseException) -> str:
@@ -97,8 +114,6 @@ def check_values(folder: str | os.PathLike, metadata: Metadata | None = None) ->
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        if Path(info.relative_path).name != info.relative_path:
-            raise UnsafeCheckpointError(f"{root.name}/{METADATA} points outside its folder ({info.relative_path!r})")
         if getattr(info, "transform_descriptors", None):
             continue  # a compressed value: the planner checks it while loading
         with open(root / info.relative_path, "rb") as handle:
