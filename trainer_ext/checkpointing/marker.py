@@ -8,6 +8,7 @@ DCP metadata (an allow-list) and DeepSpeed's files (``weights_only`` with its fe
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,6 +32,24 @@ class CheckpointError(Exception):
     """A checkpoint directory that must not be resumed from; the message says why."""
 
 
+# fsync refused because the file system cannot do it (some refuse it on folders, or read-only mounts): nothing
+# to make durable there. Any other error (EIO, ENOSPC ...) means data may be lost: it is raised.
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def _fsync(fd: int, path: Path) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno in _FSYNC_UNSUPPORTED:
+            return
+        raise OSError(
+            error.errno,
+            f"cannot make {path} durable (fsync failed: {error.strerror}); the checkpoint is not committed: "
+            "check the disk (space, errors) and save again",
+        ) from error
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename, creation or removal inside ``path`` durable (no-op where directories cannot be opened)."""
     try:
@@ -38,29 +57,49 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        _fsync(fd, path)
     finally:
         os.close(fd)
 
 
-def flush_tree(folder: Path) -> None:
-    """fsync every file and folder this process can see under ``folder``, so a marker never precedes their data."""
+def _is_main() -> bool:
+    """Whether this process writes a checkpoint's shared files: rank 0, or each node's first with a launcher."""
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ:
+        return os.environ["LOCAL_RANK"] == "0"
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def flush_tree(folder: Path, *, rank: int | None = None, main: bool | None = None) -> None:
+    """fsync this rank's files under ``folder`` and every folder, so a marker never precedes their data.
+
+    This rank's files: those named after ``rank`` (``writer_rank``), and, on the ``main`` process, the shared
+    ones named after no rank; by default both come from the process group.
+    """
     if not folder.is_dir():
         return
+    rank = _rank() if rank is None else rank
+    main = _is_main() if main is None else main
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that hold them
         if path.is_dir():
             fsync_dir(path)
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
+        owner = writer_rank(str(path.relative_to(folder)))
+        if (owner is None and not main) or (owner is not None and owner != rank):
             continue
         try:
-            os.fsync(fd)
-        except OSError:
-            pass
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            _fsync(fd, path)
         finally:
             os.close(fd)
     fsync_dir(folder)
@@ -84,7 +123,7 @@ def crc32(path: str | os.PathLike, chunk: int = 1 << 22) -> int:
 
 
 _RANK_FILE = re.compile(
-    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|zero_pp_rank_(\d+)_[^/]*|rank_(\d+)\.pt)$"
+    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_[^/]*|rank_(\d+)\.pt)$"
 )
 
 
