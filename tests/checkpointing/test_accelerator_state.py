@@ -121,17 +121,17 @@ def test_save_state_refuses_a_folder_holding_other_files(tmp_path: Path) -> None
 
 
 def test_the_files_are_on_disk_before_the_marker(tmp_path: Path, monkeypatch) -> None:
-    """Every file (and folder) is fsynced before COMPLETE is written."""
+    """Every file and folder, at any depth (full paths compared), is fsynced before COMPLETE is written."""
     accelerator, _, _ = _prepared(tmp_path)
     synced: set[str] = set()
     real_fsync = os.fsync
 
     def record(fd):
-        synced.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        synced.add(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
 
     def check_then_write(directory, **kwargs):
-        unsynced = {p.name for p in Path(directory).iterdir()} - synced
+        unsynced = {str(p.resolve()) for p in Path(directory).rglob("*")} - synced
         assert not unsynced, f"not fsynced before the marker: {unsynced}"
         return real_write(directory, **kwargs)
 
