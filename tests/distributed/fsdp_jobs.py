@@ -3,8 +3,9 @@
 ``python fsdp_jobs.py OUT two`` (2 ranks): DDP and several FSDP2 set-ups on the same data, per-rank parameter
 storage, an interrupted + resumed FSDP run, the consolidated export. ``python fsdp_jobs.py OUT from_one CKPT``
 (2 ranks): resume under FSDP from a checkpoint written by one process without FSDP; ``loop`` (2 ranks):
-hand-written trainer_ext.Accelerator loops; ``order`` (2 ranks): ``prepare`` given the model after its optimizer. Rank 0 writes the full weights
-(gathered) and ``results.json`` to OUT.
+hand-written trainer_ext.Accelerator loops; ``order`` (2 ranks): ``prepare`` given the model after its optimizer;
+``two_models`` (2 ranks): two models prepared one after the other, each after its own optimizer. Rank 0 writes
+the full weights (gathered) and ``results.json`` to OUT.
 """
 
 from __future__ import annotations
@@ -189,6 +190,41 @@ def separate_calls(fsdp_config: dict) -> list[int]:
     return [sum(not torch.equal(after[n], before[n]) for n in before), len(before)] if after else []
 
 
+def two_models(out: Path) -> None:
+    """Two models in turn, each as ``prepare(optimizer)`` then ``prepare(model)``: what each optimizer steps.
+
+    The first model's unsharded parameters are freed once its optimizer follows the shards, and the second
+    model's new parameters may reuse their ids: the optimizers must still follow their own model only.
+    """
+    from trainer_ext import Accelerator
+
+    accelerator = Accelerator(cpu=True, fsdp_config=FSDP["fsdp_config"])
+    models, optimizers = [], []
+    for seed in (0, 1):
+        model = tiny_llama(seed)
+        optimizers.append(accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1)))
+        models.append(accelerator.prepare(model))
+        del model
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    result: dict = {"own": [], "changed": []}
+    for model, optimizer in zip(models, optimizers, strict=True):
+        held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+        result["own"].append(held == {id(p) for p in model.parameters()})
+    for i, optimizer in enumerate(optimizers):  # one step of optimizer i: which models' shards move
+        before = [[p.detach().to_local().clone() for p in m.parameters()] for m in models]
+        accelerator.backward(models[i](input_ids=tokens, labels=tokens).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        moved = [
+            sum(not torch.equal(p.detach().to_local(), b) for p, b in zip(m.parameters(), old, strict=True))
+            for m, old in zip(models, before, strict=True)
+        ]
+        result["changed"].append(moved)
+    result["total"] = len(list(models[0].parameters()))
+    if dist.get_rank() == 0:
+        (out / "two_models.json").write_text(json.dumps(result))
+
+
 def hybrid(out: Path) -> None:
     """4 ranks: DDP against the hybrid_shard preset on a 2 x 2 mesh (2 replicas of 2 shards).
 
@@ -235,6 +271,8 @@ if __name__ == "__main__":
         order(target)
     elif mode == "hybrid":
         hybrid(target)
+    elif mode == "two_models":
+        two_models(target)
     else:
         from_one(target, sys.argv[3])
     dist.barrier()

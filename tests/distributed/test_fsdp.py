@@ -189,3 +189,13 @@ def test_hybrid_sharding_on_a_2x2_mesh_matches_ddp(tmp_path: Path) -> None:
     ddp, hsdp = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("ddp4", "hsdp"))
     assert _max_diff(ddp, tiny_llama(0).state_dict()) > 1e-2
     assert _max_diff(hsdp, ddp) < PARITY_ATOL
+
+
+def test_two_models_each_optimizer_steps_its_own_shards(tmp_path: Path) -> None:
+    """``prepare(optimizer)`` then ``prepare(model)``, twice: each optimizer holds and moves exactly its model's shards
+    (before the fix, the second optimizer could be pointed at the first model's shards by a reused ``id``)."""
+    run_ranks(HERE / "fsdp_jobs.py", 2, str(tmp_path), "two_models", timeout=300)
+    result = json.loads((tmp_path / "two_models.json").read_text())
+    total = result["total"]
+    assert result["own"] == [True, True], "each optimizer must hold exactly its own model's sharded parameters"
+    assert result["changed"] == [[total, 0], [0, total]], "a step of optimizer i must move model i only"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -72,7 +73,9 @@ class FSDPStrategy(Strategy):
             settings = FSDPSettings.from_dict(settings or {})
         self.settings = settings
         self.mixed_precision = mixed_precision
-        self._sharded: dict[int, torch.nn.Parameter] = {}  # id(parameter before wrapping) -> its DTensor successor
+        # id(parameter before wrapping) -> (weak reference to it, its DTensor successor): the weak reference lets
+        # the unsharded parameter be freed, and tells its entry from a later object that reuses the same id
+        self._sharded: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self._mesh = None
 
     @property
@@ -157,21 +160,28 @@ class FSDPStrategy(Strategy):
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         after = dict(model.named_parameters())
-        self._sharded.update({id(p): after[name] for name, p in before.items() if name in after})
+        self._sharded = {key: entry for key, entry in self._sharded.items() if entry[0]() is not None}
+        self._sharded.update({id(p): (weakref.ref(p), after[name]) for name, p in before.items() if name in after})
         return model
+
+    def _successor(self, parameter: torch.nn.Parameter) -> torch.nn.Parameter | None:
+        """The sharded successor of ``parameter`` if ``wrap`` replaced that very object (not one reusing its id)."""
+        entry = self._sharded.get(id(parameter))
+        return entry[1] if entry is not None and entry[0]() is parameter else None
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point an optimizer built on the unsharded parameters at their sharded successors."""
         if not self._sharded:
             return
-        replaced = any(id(p) in self._sharded for g in optimizer.param_groups for p in g["params"])
+        replaced = any(self._successor(p) is not None for g in optimizer.param_groups for p in g["params"])
         if replaced and any(optimizer.state.values()):
             raise ConfigError(
                 "FSDP: the optimizer already holds state for unsharded parameters; prepare the model and the "
                 "optimizer before the first step (load optimizer state after prepare)"
             )
         for group in optimizer.param_groups:
-            group["params"] = [self._sharded.get(id(p), p) for p in group["params"]]
+            successors = [self._successor(p) for p in group["params"]]
+            group["params"] = [p if new is None else new for p, new in zip(group["params"], successors, strict=True)]
 
     def forget(self) -> None:
         self._sharded.clear()
