@@ -35,7 +35,7 @@ class CheckpointingMixin:
         if self._preemption is None:
             grace = getattr(self.args, "preemption_grace_seconds", 30.0)
             every = getattr(self.args, "preemption_check_steps", 1)
-            self._preemption = PreemptionCallback(self.args.device, grace, every)
+            self._preemption = PreemptionCallback(grace, every)
             self.add_callback(self._preemption)
         return self._preemption
 
