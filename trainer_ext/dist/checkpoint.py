@@ -273,9 +273,8 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
     src = _complete(Path(directory))
-    local = (state.topology.local_rank, max(1, state.topology.local_world_size))
     try:
-        verify_together(src, part=local)  # sizes, checksums, safe headers; the ranks share the reading
+        verify_together(src, part=state.topology.node_share)  # sizes, checksums, safe headers; the ranks share the reading
     except CheckpointError as error:
         raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
