@@ -5,9 +5,14 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import io
+import pickle
+import random
 import textwrap
 
+import numpy as np
 import pytest
+import torch
 import transformers
 import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
@@ -106,8 +111,15 @@ def test_the_checkpoint_internals_we_rely_on() -> None:
     assert callable(transformers.Trainer._save_checkpoint)
     assert "save_total_limit" in inspect.getsource(transformers.Trainer._save_checkpoint)
     assert "weights_only=True" in inspect.getsource(transformers.Trainer._load_rng_state)
-    with _compat.numpy_rng_safe_globals():
-        pass
+    buffer = io.BytesIO()
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state()}, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):  # numpy's RNG state is refused by weights_only alone
+        torch.load(buffer, weights_only=True)
+    buffer.seek(0)
+    with _compat.numpy_rng_safe_globals():  # ...and loads through our allow-list, intact
+        state = torch.load(buffer, weights_only=True)
+    assert state["numpy"][0] == "MT19937" and np.array_equal(state["numpy"][1], np.random.get_state()[1])
 
 
 def test_the_save_renaming_hook_exists() -> None:

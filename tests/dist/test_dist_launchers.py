@@ -60,7 +60,11 @@ def _run(launcher: str, out: Path, mode: str) -> list[dict]:
         )
         for rank in range(2)
     ]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank that hung must not outlive the test
+            p.kill()
     records = []
     for rank in range(2):
         path = out / f"rank{rank}.json"

@@ -54,19 +54,27 @@ class PreemptionFlag:
         self._previous.clear()
 
 
+_HOST_GROUP: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
+
+
 def _host_group() -> Any:
     """A gloo group for the flag when the default group is NCCL, so the check never syncs the GPU.
 
-    Collective: every rank must call it at the same point (``on_train_begin``). ``None`` means the default
-    group already reduces CPU tensors (gloo), or there is no group at all.
+    Collective the first time for a default group: every rank calls it at the same point (``on_train_begin``);
+    later Trainers on the same default group reuse it. ``None`` means the default group already reduces CPU
+    tensors (gloo), or there is no group at all.
     """
+    global _HOST_GROUP
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    world = dist.GroupMember.WORLD
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
+        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUP[1]
 
 
 def _agreed(flag: bool, group: Any = None) -> bool:
@@ -83,19 +91,16 @@ def _agreed(flag: bool, group: Any = None) -> bool:
 class PreemptionCallback(TrainerCallback):
     """Turns a received SIGTERM/SIGUSR1 into save-and-stop at the next step boundary on every rank."""
 
-    def __init__(self, device: torch.device, grace_seconds: float, check_every: int = 1) -> None:
+    def __init__(self, grace_seconds: float, check_every: int = 1) -> None:
         self.flag = PreemptionFlag()
-        self.device = device
         self._group: Any = None
-        self._group_made = False
         self.grace_seconds = grace_seconds
         self.check_every = max(1, check_every)
         self.preempted_at: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.preempted_at = None
-        if not self._group_made:
-            self._group, self._group_made = _host_group(), True
+        self._group = _host_group()
         if not self.flag.install():
             logger.warning("preemption signals are not caught: training does not run in the main thread")
 

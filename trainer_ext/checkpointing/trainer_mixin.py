@@ -35,7 +35,7 @@ class CheckpointingMixin:
         if self._preemption is None:
             grace = getattr(self.args, "preemption_grace_seconds", 30.0)
             every = getattr(self.args, "preemption_check_steps", 1)
-            self._preemption = PreemptionCallback(self.args.device, grace, every)
+            self._preemption = PreemptionCallback(grace, every)
             self.add_callback(self._preemption)
         return self._preemption
 
@@ -95,9 +95,7 @@ class CheckpointingMixin:
     def _verify_part(self) -> tuple[int, int]:
         """This rank's share of the checksum reading: its index among the ranks of its node."""
         topology = getattr(getattr(self.accelerator, "state", None), "topology", None)
-        if topology is None:
-            return (0, 1)
-        return (topology.local_rank, max(1, topology.local_world_size))
+        return (0, 1) if topology is None else topology.node_share
 
     def _batch_facts(self) -> dict[str, int]:
         """What fixes the data position of a step: the per-rank micro-batch and the global batch."""

@@ -155,45 +155,88 @@ def save_state(
     final = Path(directory)
     _check_replaceable(final)  # every rank decides alike (the same files): none goes on alone
     out = _staging(final)
-    if state.is_main_process:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _recover(final)
-        out.mkdir()
-    state.wait_for_everyone()
-    if deepspeed is not None:
-        deepspeed.save_checkpoint(deepspeed.engine, out / "deepspeed")
-        models, optimizers, sharded = [], [], False  # in DeepSpeed's checkpoint
-    if sharded:
-        for i, model in enumerate(models):
-            sharded_checkpoint.save_model(model, out / f"model_{i}")
-        for i, optimizer in enumerate(optimizers):
-            sharded_checkpoint.save_optimizer(_owner(optimizer, models), optimizer, out / f"optimizer_{i}")
-    if state.is_main_process:
-        if not sharded:
+
+    def stage() -> None:
+        if state.is_main_process:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _recover(final)
+            out.mkdir()
+
+    def write() -> None:
+        nonlocal models, optimizers, sharded
+        if deepspeed is not None:
+            deepspeed.save_checkpoint(deepspeed.engine, out / "deepspeed")
+            models, optimizers, sharded = [], [], False  # in DeepSpeed's checkpoint
+        if sharded:
             for i, model in enumerate(models):
-                save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+                sharded_checkpoint.save_model(model, out / f"model_{i}")
             for i, optimizer in enumerate(optimizers):
-                torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
-        for i, scheduler in enumerate(schedulers):
-            torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
-        for i, obj in enumerate(custom or []):
-            torch.save(obj.state_dict(), out / f"custom_{i}.bin")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), out / "scaler.pt")
-        (out / "state.json").write_text(json.dumps(extra or {}, indent=1))
-    per_rank = {
-        "rng": _rng_state(state.device),
-        "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
-    }
-    torch.save(per_rank, out / f"rank_{state.process_index}.pt")
-    flush_tree(out)  # this rank's data reaches the disk before the marker can
-    state.wait_for_everyone()
-    crcs = own_checksums(out)
-    if state.is_main_process:
-        write_marker(out, world_size=state.num_processes, crcs=crcs)
-        _swap_in(out, final)
-    state.wait_for_everyone()
+                sharded_checkpoint.save_optimizer(_owner(optimizer, models), optimizer, out / f"optimizer_{i}")
+        if state.is_main_process:
+            _write_shared(out, models, optimizers, schedulers, custom or [], scaler, extra or {}, sharded)
+        per_rank = {
+            "rng": _rng_state(state.device),
+            "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
+        }
+        torch.save(per_rank, out / f"rank_{state.process_index}.pt")
+        flush_tree(out)  # the data reaches the disk before the marker can
+
+    def commit() -> None:
+        crcs = own_checksums(out)  # collective: every rank checksums its own files
+        if state.is_main_process:
+            write_marker(out, world_size=state.num_processes, crcs=crcs)
+            _swap_in(out, final)
+
+    _together(state, "preparing", stage)
+    _together(state, "writing", write)
+    _together(state, "committing", commit)
     return final
+
+
+def _write_shared(
+    out: Path,
+    models: list[Any],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    custom: list[Any],
+    scaler: Any,
+    extra: dict[str, Any],
+    sharded: bool,
+) -> None:
+    """The files only the main process writes: whole models/optimizers (unless sharded), schedulers, the rest."""
+    if not sharded:
+        for i, model in enumerate(models):
+            save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+        for i, optimizer in enumerate(optimizers):
+            torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
+    for i, scheduler in enumerate(schedulers):
+        torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
+    for i, obj in enumerate(custom):
+        torch.save(obj.state_dict(), out / f"custom_{i}.bin")
+    if scaler is not None:
+        torch.save(scaler.state_dict(), out / "scaler.pt")
+    (out / "state.json").write_text(json.dumps(extra, indent=1))
+
+
+def _together(state: DistState, stage: str, work: Any) -> None:
+    """Run ``work`` on every rank, then agree: if it failed anywhere, every rank raises (none waits for a dead one).
+
+    The rank that failed re-raises its own error; the others raise a CheckpointError naming the ranks and errors.
+    """
+    error: BaseException | None = None
+    try:
+        work()
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        error = exc
+    failures = [f"rank {state.process_index}: {error!r}"] if error is not None else []
+    if state.num_processes > 1:
+        gathered: list[Any] = [None] * state.num_processes
+        torch.distributed.all_gather_object(gathered, failures)
+        failures = [line for lines in gathered for line in lines]
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointError(f"save_state failed while {stage} the checkpoint on " + "; ".join(failures))
 
 
 def _complete(final: Path) -> Path:
@@ -230,9 +273,8 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
     src = _complete(Path(directory))
-    local = (state.topology.local_rank, max(1, state.topology.local_world_size))
     try:
-        verify_together(src, part=local)  # sizes, checksums, safe headers; the ranks share the reading
+        verify_together(src, part=state.topology.node_share)  # sizes, checksums, safe headers; the ranks share the reading
     except CheckpointError as error:
         raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)

@@ -51,6 +51,11 @@ class Topology:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def node_share(self) -> tuple[int, int]:
+        """(this rank's index on its node, ranks on the node): how the ranks of a node split shared work."""
+        return (self.local_rank, max(1, self.local_world_size))
+
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int | None:
     value = env.get(key)
