@@ -87,6 +87,64 @@ def _sync_fn(device: Any) -> Any:
     return torch.cuda.synchronize if device.type == "cuda" else None
 
 
+def accelerator_loop(
+    accelerator: Any, model: Any, data: Any, cfg: dict[str, Any], steps: int, clock: _Clock, device: Any
+) -> None:
+    """The hand-written accelerate-style loop: the same work per step as the plain loop."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
+    fused = device.type == "cuda" and accelerator.distributed_type != "DEEPSPEED"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        clock.tick(_sync_fn(device))
+
+
+def trainer_arguments(args_cls: Any, cfg: dict[str, Any], steps: int, device: Any, bf16: bool, **extra: Any) -> Any:
+    """TrainingArguments for the same work per step as the plain loop (one log at the end, no saves)."""
+    return args_cls(
+        output_dir=str(ROOT / "benchmarks" / "results" / "trainer_output"),
+        per_device_train_batch_size=cfg["batch"],
+        max_steps=steps,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        bf16=bf16,
+        logging_steps=steps,  # one log at the end: a real run logs every few hundred steps
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        use_cpu=device.type == "cpu",
+        **extra,
+    )
+
+
+def tick_callback(clock: _Clock, device: Any) -> Any:
+    """A TrainerCallback that ticks ``clock`` at every optimizer step."""
+    import transformers
+
+    sync = _sync_fn(device)
+
+    class Tick(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick(sync)
+
+    return Tick()
+
+
 def run_plain(
     cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
 ) -> dict[str, float]:
@@ -118,8 +176,6 @@ def run_plain(
 def run_accelerator(
     cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
 ) -> dict[str, float]:
-    import torch
-    from transformers import get_linear_schedule_with_warmup
 
     clock = _Clock(warmup)  # the framework's import is part of its time to the first step
     from trainer_ext import Accelerator
@@ -128,20 +184,7 @@ def run_accelerator(
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     if compile_model:
         model.compile()
-    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
-    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    model.train()
-    for batch in loader:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        clock.tick(_sync_fn(device))
+    accelerator_loop(accelerator, model, data, cfg, steps, clock, device)
     return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
 
 
@@ -163,32 +206,10 @@ def run_trainer(
         from trainer_ext import Trainer as trainer_cls
         from trainer_ext import TrainingArguments as args_cls
 
-    sync = _sync_fn(device)
-
-    class Tick(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick(sync)
-
     model, data = _model_and_data(cfg, steps * cfg["batch"])
-    args = args_cls(
-        output_dir=str(ROOT / "benchmarks" / "results" / "trainer_output"),
-        per_device_train_batch_size=cfg["batch"],
-        max_steps=steps,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        lr_scheduler_type="linear",
-        max_grad_norm=1.0,
-        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
-        bf16=bf16,
-        logging_steps=steps,  # one log at the end: a real run logs every few hundred steps
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        train_sampling_strategy="sequential",
-        use_cpu=device.type == "cpu",
-        torch_compile=compile_model,
-    )
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[Tick()])
+    optim = "adamw_torch_fused" if device.type == "cuda" else "adamw_torch"
+    args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model)
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
     trainer.train()
     return {"steps_per_s": clock.rate(), "first_step_s": clock.first}
 

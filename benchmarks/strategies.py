@@ -27,7 +27,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.run import CONFIGS, _Clock, _model_and_data, _sync_fn  # noqa: E402
+from benchmarks.run import (  # noqa: E402
+    CONFIGS,
+    _Clock,
+    _model_and_data,
+    _sync_fn,
+    accelerator_loop,
+    tick_callback,
+    trainer_arguments,
+)
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 FRAMEWORKS = ("raw", "accelerator", "trainer")
@@ -76,6 +84,11 @@ def _raw_deepspeed_config(strategy: str, cfg: dict[str, Any], world: int, bf16: 
     return config
 
 
+def _fused(strategy: str, device: Any) -> bool:
+    """Fused AdamW on CUDA, as every runner of benchmarks.run uses; DeepSpeed keeps the plain one."""
+    return device.type == "cuda" and not strategy.startswith("zero")
+
+
 def _loader(data: Any, batch: int, rank: int, world: int) -> Any:
     """Rank ``rank``'s share of the batches: as many batches of the same size as the frameworks' loaders give it."""
     import torch
@@ -109,7 +122,7 @@ def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         autocast = torch.autocast(device.type, enabled=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=_fused(strategy, device))
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
     if strategy.startswith("zero"):
         import deepspeed
@@ -140,9 +153,6 @@ def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device:
 
 def run_accelerator(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
     """``trainer_ext.Accelerator`` in the same hand-written loop."""
-    import torch
-    from transformers import get_linear_schedule_with_warmup
-
     clock = _Clock(warmup)
     from trainer_ext import Accelerator
 
@@ -153,59 +163,29 @@ def run_accelerator(strategy: str, cfg: dict[str, Any], steps: int, warmup: int,
         deepspeed_config=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
     )
     model, data = _model_and_data(cfg, steps * cfg["batch"] * accelerator.num_processes)
-    loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    model.train()
-    for batch in loader:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        clock.tick(_sync_fn(device))
+    accelerator_loop(accelerator, model, data, cfg, steps, clock, device)
     return clock
 
 
 def run_trainer(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
     """``trainer_ext.Trainer`` with the strategy's preset, as ``trainer-ext train`` would run it."""
-    import transformers
-
     clock = _Clock(warmup)
     from trainer_ext import Trainer, TrainingArguments
 
-    sync = _sync_fn(device)
-
-    class Tick(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick(sync)
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model, data = _model_and_data(cfg, steps * cfg["batch"] * world)
-    args = TrainingArguments(
-        output_dir=str(ROOT / "benchmarks" / "results" / "trainer_output"),
-        per_device_train_batch_size=cfg["batch"],
-        max_steps=steps,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        lr_scheduler_type="linear",
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        bf16=bf16,
-        logging_steps=steps,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        train_sampling_strategy="sequential",
-        use_cpu=device.type == "cpu",
+    args = trainer_arguments(
+        TrainingArguments,
+        cfg,
+        steps,
+        device,
+        bf16,
+        optim="adamw_torch_fused" if _fused(strategy, device) else "adamw_torch",
         fsdp="full_shard" if strategy == "fsdp" else "",
         fsdp_config=str(FSDP_PRESET) if strategy == "fsdp" else None,
         deepspeed=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Tick()])
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
     trainer.train()
     return clock
 
