@@ -144,6 +144,35 @@ def test_sharded_scripts_train_the_same_job_as_ddp(tmp_path: Path, ddp_run, laun
     assert _eval_metrics(out)["eval_accuracy"] == _eval_metrics(ddp_run[0])["eval_accuracy"]
 
 
+@pytest.mark.distributed
+def test_an_accelerate_deepspeed_config_with_inline_keys_trains_the_same_job(tmp_path: Path, ddp_run) -> None:
+    """The file `accelerate config` writes for DeepSpeed (zero_stage, offload devices inline, no JSON file) goes
+    to `trainer-ext launch --config_file` as it is: ZeRO-2 on 2 CPU ranks ends with DDP's weights."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
+    accelerate_file = tmp_path / "accelerate_ds.yaml"
+    accelerate_file.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        "  gradient_accumulation_steps: 1\n  offload_optimizer_device: none\n  offload_param_device: none\n"
+        "  zero3_init_flag: false\n  zero_stage: 2\nmachine_rank: 0\nmain_training_function: main\n"
+        "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
+    )
+    out = tmp_path / "zero2"
+    args = [*COMMON, "--per_device_train_batch_size", "16", "--output_dir", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer_ext", "launch", "--config_file", str(accelerate_file), "train", *args],
+        cwd=ROOT,
+        env=_environment(str(accelerate_file), DS_ACCELERATOR="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "ignored accelerate keys" in proc.stderr and "deepspeed_config.zero3_init_flag" in proc.stderr
+    zero2, ddp = load_file(out / "model.safetensors"), load_file(ddp_run[0] / "model.safetensors")
+    assert zero2.keys() == ddp.keys()
+    assert max(float((zero2[k].float() - ddp[k].float()).abs().max()) for k in ddp) < 1e-5
+
+
 # --- What the scripts hand to the launcher: stand-ins for trainer-ext, srun and scontrol, or the real launcher's
 # --- dry run. Nothing trains here.
 

@@ -99,9 +99,35 @@ def test_deepspeed_section_gives_the_json_path_and_names_what_it_ignores(tmp_pat
     config = read_config_file(write(tmp_path / "ds.yaml", text))
     assert config.values["deepspeed"] == "ds.json" and config.values["gradient_accumulation_steps"] == 4
     assert config.ignored == ["deepspeed_config.zero3_init_flag"]
-    inline = yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}})
-    config = read_config_file(write(tmp_path / "inline.yaml", inline))
-    assert "deepspeed_config sets zero_stage inline" in config.problems[0]
+
+
+def test_accelerates_inline_deepspeed_keys_become_a_deepspeed_config(tmp_path):
+    """What `accelerate config` writes for DeepSpeed: ZeRO keys inline, no JSON file."""
+    section = {
+        "zero_stage": 3,
+        "offload_optimizer_device": "cpu",
+        "offload_param_device": "none",
+        "gradient_clipping": 0.5,
+        "zero3_save_16bit_model": True,
+        "zero3_init_flag": True,
+        "gradient_accumulation_steps": 2,
+    }
+    text = yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": section})
+    config = read_config_file(write(tmp_path / "inline.yaml", text))
+    assert config.problems == []
+    built = config.values["deepspeed"]
+    assert built["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    assert built["gradient_clipping"] == 0.5 and built["train_micro_batch_size_per_gpu"] == "auto"
+    assert built["bf16"] == {"enabled": "auto"} and config.values["gradient_accumulation_steps"] == 2
+    assert config.ignored == ["deepspeed_config.zero3_init_flag"]
+    bad = {"zero_stag": 2, "zero_stage": "three"}
+    config = read_config_file(write(tmp_path / "bad.yaml", yaml.safe_dump({"deepspeed_config": bad})))
+    assert any("deepspeed_config.zero_stag" in p and "Did you mean 'zero_stage'" in p for p in config.problems)
+    assert any("zero_stage 'three' is not one of 0, 1, 2, 3" in p for p in config.problems)
 
 
 def test_fsdp_section_becomes_sharding_and_a_json_config_for_train(gpus, tmp_path):

@@ -432,3 +432,10 @@ def test_float_inputs_take_the_engine_dtype(tmp_path: Path, hf_registry, flag: s
     out = trainer._prepare_inputs(batch)
     assert out["input_ids"].dtype == torch.long
     assert out["pixel_values"].dtype == dtype and out["extra"][0].dtype == dtype
+
+
+def test_the_json_itself_is_accepted_in_place_of_a_path() -> None:
+    """transformers takes --deepspeed '{...}'; so do we (the launcher passes accelerate's inline keys this way)."""
+    assert load_deepspeed_config('  {"zero_optimization": {"stage": 2}}') == {"zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError, match="inline DeepSpeed JSON is not valid JSON: line 1"):
+        load_deepspeed_config('{"zero_optimization": {"stage": 2}')

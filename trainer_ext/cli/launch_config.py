@@ -280,8 +280,30 @@ def _distributed_type(config: ConfigFile, data: Mapping[str, Any]) -> None:
         config.problem("distributed_type FSDP needs fsdp_config (a mapping, or the path of an FSDP config file)")
 
 
+# accelerate's inline DeepSpeed keys (what `accelerate config` writes) → places in a DeepSpeed JSON config
+DEEPSPEED_INLINE = {
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+    "gradient_clipping": "gradient_clipping",
+    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+# ignored: ZeRO-3 models are built partitioned by from_pretrained anyway; trainer-ext launch starts the
+# processes (torchrun), not DeepSpeed's launcher; the top-level mixed_precision is the one used
+DEEPSPEED_INLINE_IGNORED = (
+    "zero3_init_flag",
+    "deepspeed_multinode_launcher",
+    "deepspeed_hostfile",
+    "deepspeed_exclusion_filter",
+    "deepspeed_inclusion_filter",
+    "mixed_precision",
+)
+
+
 def _deepspeed(config: ConfigFile, section: Any) -> None:
-    """The DeepSpeed JSON path; accelerate's inline ZeRO keys cannot be turned into one here."""
+    """The DeepSpeed JSON path, or accelerate's inline ZeRO keys turned into a DeepSpeed config."""
     if not section:
         return
     if isinstance(section, str):  # our own shorthand: the path itself
@@ -291,7 +313,6 @@ def _deepspeed(config: ConfigFile, section: Any) -> None:
         config.problem(f"deepspeed_config must be a mapping or a file path, not {type(section).__name__}")
         return
     file = section.get("deepspeed_config_file")
-    others = sorted(k for k in section if k not in ("deepspeed_config_file", "gradient_accumulation_steps"))
     if "gradient_accumulation_steps" in section and "gradient_accumulation_steps" not in config.values:
         _convert(
             config,
@@ -300,14 +321,49 @@ def _deepspeed(config: ConfigFile, section: Any) -> None:
             PLAIN_KEYS["gradient_accumulation_steps"],
             lambda v: config.set("gradient_accumulation_steps", v, "deepspeed_config.gradient_accumulation_steps"),
         )
-    if file:
+    inline = {k: v for k, v in section.items() if k in DEEPSPEED_INLINE}
+    for key in sorted(set(section) - set(DEEPSPEED_INLINE) - set(DEEPSPEED_INLINE_IGNORED)):
+        if key not in ("deepspeed_config_file", "gradient_accumulation_steps"):
+            config.problem(
+                f"unknown key 'deepspeed_config.{key}'."
+                + did_you_mean(key, [*DEEPSPEED_INLINE, *DEEPSPEED_INLINE_IGNORED, "deepspeed_config_file"])
+            )
+    config.ignored += [f"deepspeed_config.{k}" for k in section if k in DEEPSPEED_INLINE_IGNORED]
+    if file:  # the JSON file is used as it is
         config.set("deepspeed", str(file), "deepspeed_config.deepspeed_config_file")
-        config.ignored += [f"deepspeed_config.{k}" for k in others]
-    elif others:
-        config.problem(
-            f"deepspeed_config sets {', '.join(others)} inline; trainer_ext reads DeepSpeed settings from a JSON "
-            "file only: write them into one and set deepspeed_config.deepspeed_config_file (or pass --deepspeed FILE)"
-        )
+        config.ignored += [f"deepspeed_config.{k}" for k in inline]
+    elif inline:
+        built = _deepspeed_from_inline(config, inline)
+        if built is not None:
+            config.set("deepspeed", built, "deepspeed_config (accelerate's inline keys)")
+
+
+def _deepspeed_from_inline(config: ConfigFile, inline: Mapping[str, Any]) -> dict | None:
+    """A DeepSpeed config from accelerate's inline keys; the batch, accumulation and precision stay "auto"."""
+    built: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2},
+    }
+    for key, value in inline.items():
+        if key.endswith("_device") and str(value).lower() == "none":
+            continue  # accelerate writes "none" for no offload
+        if key == "zero_stage":
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                config.problem(f"deepspeed_config.zero_stage {value!r} is not one of 0, 1, 2, 3")
+                return None
+        *parents, leaf = DEEPSPEED_INLINE[key].split(".")
+        node = built
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return built
 
 
 def _fsdp(config: ConfigFile, section: Any) -> None:

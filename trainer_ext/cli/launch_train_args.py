@@ -96,7 +96,9 @@ def translate_for_train(
     if not strategy:
         _strategy_ignored(s, notes)
     elif s["deepspeed"]:
-        add("deepspeed", ["--deepspeed", str(s["deepspeed"])], {"deepspeed"})
+        config = s["deepspeed"]
+        value = config if isinstance(config, str) else json.dumps(config, sort_keys=True)
+        add("deepspeed", ["--deepspeed", value], {"deepspeed"})
     elif s["fsdp_config"]:
         config = s["fsdp_config"]
         value = config if isinstance(config, str) else json.dumps(config, sort_keys=True)
@@ -189,7 +191,8 @@ def preview_deepspeed(s: Settings, user_args: Sequence[str], train_args: Sequenc
 
     inputs = DeepSpeedInputs.from_training_args(SimpleNamespace(**values), world_size=s.world_size)
     path = values["deepspeed"]
-    where = path if isinstance(path, str) else f"inline in {source('deepspeed')}"
+    inline = not isinstance(path, str) or path.lstrip().startswith("{")
+    where = f"inline in {source('deepspeed')}" if inline else path
     config = DeepSpeedConfig(path, source=where).resolve(inputs).config
 
     machines = s["num_machines"]

@@ -55,6 +55,8 @@ def load_deepspeed_config(source: str | os.PathLike | dict) -> dict:
         validate_deepspeed_config(config)
         return config
     path = os.fspath(source)
+    if path.lstrip().startswith("{"):  # the JSON itself, as transformers accepts for --deepspeed
+        return _parse(path, "inline DeepSpeed JSON")
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -64,17 +66,20 @@ def load_deepspeed_config(source: str | os.PathLike | dict) -> dict:
         ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from None
+    return _parse(text, f"DeepSpeed config {path}", path)
+
+
+def _parse(text: str, what: str, source: str | None = None) -> dict:
+    """JSON text → a validated config dict; ``what`` names it in the errors."""
     try:
         config = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}"
-        ) from None
+        raise ConfigError(f"{what} is not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except ValueError as exc:  # a duplicate key from the hook
-        raise ConfigError(f"DeepSpeed config {path} is not valid: {exc}; keep one of them") from None
+        raise ConfigError(f"{what} is not valid: {exc}; keep one of them") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"DeepSpeed config {path} must hold a JSON object ({{...}}), not {type(config).__name__}")
-    validate_deepspeed_config(config, source=path)
+        raise ConfigError(f"{what} must hold a JSON object ({{...}}), not {type(config).__name__}")
+    validate_deepspeed_config(config, source=source)
     return config
 
 
