@@ -274,7 +274,8 @@ def load_state(
     """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
     src = _complete(Path(directory))
     try:
-        verify_together(src, part=state.topology.node_share)  # sizes, checksums, safe headers; the ranks share the reading
+        # sizes, checksums, safe headers; the ranks of a node share the reading
+        verify_together(src, part=state.topology.node_share)
     except CheckpointError as error:
         raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
