@@ -255,27 +255,28 @@ def _mfu(cfg: dict[str, Any], tokens_per_s: float, device: str, bf16: bool) -> f
     return tokens_per_s * (6 * n + 12 * layers * h * seq) / peak
 
 
-def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.run",
-        "--child",
-        name,
-        "--config",
-        opts.config,
-        "--warmup",
-        str(opts.warmup),
-    ]
+def child_args(module: str, name: str, opts: argparse.Namespace) -> list[str]:
+    """``-m module --child name`` with the run options every child needs (config, steps, device, precision)."""
+    args = ["-m", module, "--child", name, "--config", opts.config, "--warmup", str(opts.warmup)]
     if opts.steps:
-        cmd += ["--steps", str(opts.steps)]
+        args += ["--steps", str(opts.steps)]
     if opts.cpu:
-        cmd.append("--cpu")
-    if opts.torch_compile:
-        cmd.append("--torch_compile")
+        args.append("--cpu")
+    if getattr(opts, "torch_compile", False):
+        args.append("--torch_compile")
     if opts.bf16 is not None:
-        cmd.append("--bf16" if opts.bf16 else "--no-bf16")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        args.append("--bf16" if opts.bf16 else "--no-bf16")
+    return args
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the repository importable (children run ``-m benchmarks.…``)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, *child_args("benchmarks.run", name, opts)]
+    env = child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"runner {name} failed:\n{proc.stderr[-4000:]}")

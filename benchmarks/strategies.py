@@ -33,6 +33,8 @@ from benchmarks.run import (  # noqa: E402
     _model_and_data,
     _sync_fn,
     accelerator_loop,
+    child_args,
+    child_env,
     tick_callback,
     trainer_arguments,
 )
@@ -237,29 +239,14 @@ def _free_port() -> int:
 
 
 def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={opts.nproc}", "--master_addr=127.0.0.1"]
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={opts.nproc}",
-        "--master_addr=127.0.0.1",
+        *launcher,
         f"--master_port={_free_port()}",
-        "-m",
-        "benchmarks.strategies",
-        "--child",
-        name,
-        "--config",
-        opts.config,
-        "--warmup",
-        str(opts.warmup),
+        *child_args("benchmarks.strategies", name, opts),
     ]
-    if opts.steps:
-        cmd += ["--steps", str(opts.steps)]
-    if opts.cpu:
-        cmd.append("--cpu")
-    if opts.bf16 is not None:
-        cmd.append("--bf16" if opts.bf16 else "--no-bf16")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not _has_cuda() else "cuda")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
