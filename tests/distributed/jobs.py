@@ -184,6 +184,23 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def assert_fp32_parity(run: ParityRun, reference: ParityRun, weights_tol: float = 1e-5) -> None:
+    """The fp32 accumulation parity every split run must meet against the 1-rank big-batch reference.
+
+    Both runs make 12 optimizer steps that move the weights and see non-trivial gradients (so a match is not
+    vacuous); the first step's gradients agree to 1e-6, logged losses and grad norms to 1e-5, weights to
+    ``weights_tol``.
+    """
+    assert reference.info["global_step"] == run.info["global_step"] == 12
+    assert max_abs_diff(reference.weights, tiny_llama(0).state_dict()) > 1e-1, "the job must move the weights"
+    assert max(float(g.abs().max()) for g in reference.gradients.values()) > 5e-2
+    errors = parity_errors(run, reference)
+    assert errors["gradients"] < 1e-6, errors
+    assert errors["weights"] < weights_tol, errors
+    assert errors["losses"] < 1e-5, errors
+    assert errors["grad_norms"] < 1e-5, errors
+
+
 def parity_errors(run: ParityRun, reference: ParityRun) -> dict[str, float]:
     """How far a split run is from the 1-rank big-batch reference: gradients, weights, logged losses and norms."""
     assert len(run.info["losses"]) == run.info["global_step"], "one logged loss per optimizer step"
