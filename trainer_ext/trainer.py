@@ -19,8 +19,8 @@ from . import _compat
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.run_summary import RunSummaryCallback
 from .checkpointing import CheckpointingMixin
+from .auto_batch import AutoBatchMixin
 from .checkpointing.sharded_mixin import ShardedCheckpointMixin
-from .dist.data import check_shardable
 from .dist.engine import Engine
 from .errors import ConfigError
 from .training_args import TrainingArguments
@@ -66,13 +66,7 @@ class SteppedByEngine:
         self.scheduler.load_state_dict(state)
 
 
-def _as_list(datasets: Any) -> list[Any]:
-    if datasets is None:
-        return []
-    return list(datasets.values()) if isinstance(datasets, dict) else [datasets]
-
-
-class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
+class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
@@ -84,8 +78,6 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
             )
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
-        for dataset in (kwargs.get("train_dataset"), *_as_list(kwargs.get("eval_dataset"))):
-            check_shardable(dataset, args.world_size)  # before any step runs, not at the first evaluation
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
         self.add_callback(RunSummaryCallback(self))
@@ -151,11 +143,6 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
                     "are both set; keep only --gradient_accumulation_steps"
                 )
             args.gradient_accumulation_steps = grad_acc_kwargs.pop("num_steps")
-        if config.split_batches or config.dispatch_batches:
-            raise ConfigError(
-                "accelerator_config split_batches/dispatch_batches are not supported by trainer_ext; "
-                "each process loads its own share of every batch"
-            )
         compile_kwargs = None
         if args.torch_compile:
             compile_kwargs = {"backend": args.torch_compile_backend or "inductor"}
@@ -172,6 +159,8 @@ class Trainer(ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
             strategy=strategy,
             strategy_options=options,
             seed=args.data_seed,
+            split_batches=config.split_batches,
+            dispatch_batches=config.dispatch_batches,
             even_batches=config.even_batches,
             use_seedable_sampler=config.use_seedable_sampler,
             torch_compile=compile_kwargs,

@@ -36,6 +36,8 @@ class Engine:
         strategy: Strategy | str | None = None,
         strategy_options: dict[str, Any] | None = None,
         seed: int | None = None,
+        split_batches: bool = False,
+        dispatch_batches: bool | None = None,
         even_batches: bool = True,
         use_seedable_sampler: bool = True,
         device_placement: bool = True,
@@ -59,6 +61,8 @@ class Engine:
         )
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
         self.seed = seed
+        self.split_batches = split_batches
+        self.dispatch_batches = dispatch_batches
         self.even_batches = even_batches
         self.use_seedable_sampler = use_seedable_sampler
         self.device_placement = device_placement
