@@ -16,10 +16,10 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from . import _compat
+from .auto_batch import AutoBatchMixin
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.run_summary import RunSummaryCallback
 from .checkpointing import CheckpointingMixin
-from .auto_batch import AutoBatchMixin
 from .checkpointing.sharded_mixin import ShardedCheckpointMixin
 from .dist.engine import Engine
 from .errors import ConfigError
