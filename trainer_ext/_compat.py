@@ -120,6 +120,11 @@ def accelerator_config(raw: Any) -> Any:
         return AcceleratorConfig()
     if isinstance(raw, dict):
         return AcceleratorConfig(**raw)
+    if isinstance(raw, type):  # the class itself, not an instance: transformers' error
+        raise NotImplementedError(
+            "Tried passing in a callable to `accelerator_config`, but this is not supported. "
+            "Please pass in a fully constructed `AcceleratorConfig` object instead."
+        )
     if hasattr(raw, "to_dict"):  # accelerate's or another copy of the same dataclass
         return AcceleratorConfig(**raw.to_dict())
     return AcceleratorConfig.from_json_file(raw)

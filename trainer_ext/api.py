@@ -77,7 +77,7 @@ def train(
     _preflight(trainer)
     output_dir.start_run(args, trainer)
     result = trainer.train(resume_from_checkpoint=resume)
-    if not _saves_final_model(trainer):  # the default UnwrapAndSaveCallback already wrote and checked it
+    if not _saves_final_model(trainer):  # else UnwrapAndSaveCallback already wrote and checked it
         trainer.save_model()
     metrics = {**result.metrics, "train_samples": len(tokenized["train"])}
     trainer.log_metrics("train", metrics)
@@ -97,12 +97,12 @@ def train(
 
 
 def _saves_final_model(trainer: transformers.Trainer) -> bool:
+    """Whether the Trainer's UnwrapAndSaveCallback (``save_final_model``, or a listed one) writes ``output_dir``."""
     from .callbacks import UnwrapAndSaveCallback
 
-    return any(
-        isinstance(cb, UnwrapAndSaveCallback) and cb.save_final and cb.final_dir is None
-        for cb in trainer.callback_handler.callbacks
-    )
+    duty = getattr(trainer.callback_handler, "duty", None)
+    callback = duty(UnwrapAndSaveCallback) if duty is not None else None
+    return callback is not None and callback.save_final and callback.final_dir is None
 
 
 def _preflight(trainer: transformers.Trainer) -> None:

@@ -268,6 +268,16 @@ class TrainJobArguments(ModelArguments, DataArguments, TrainingArguments):
         ),
     )
 
+    save_final_model: bool = field(
+        default=True,
+        metadata=_help("Write the final model, config and tokenizer to --output_dir and check they reload."),
+    )
+    run_summary: bool = field(default=True, metadata=_help("Print what one optimizer step means at the start."))
+    save_on_preemption: bool = field(
+        default=True,
+        metadata=_help("On SIGTERM/SIGUSR1: save a checkpoint at the next step, exit with --preemption_exit_code."),
+    )
+
     def __post_init__(self) -> None:
         self.validate_model()
         self.validate_data()

@@ -16,6 +16,7 @@ from typing import Any
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .arguments import TrainJobArguments
+from .checkpointing.resume import AUTO, resume_request
 from .errors import ConfigError
 
 RUN_FILE = "trainer_ext_run.json"
@@ -38,8 +39,6 @@ RUN_ARTIFACTS = (
     "all_results.json",
 )
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
-_TRUE = ("true", "yes", "1", "latest", "last")
-_FALSE = ("false", "no", "0", "none", "")
 
 
 def checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -63,13 +62,9 @@ def resume_target(args: TrainJobArguments) -> bool | str | None:
     "auto" resumes from the newest complete checkpoint when there is one and starts fresh otherwise: the
     same command works for the first start and for every restart or requeue.
     """
-    value = args.resume_from_checkpoint
-    if value is None or str(value).strip().lower() in _FALSE:
-        return None
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    if str(value).strip().lower() in _TRUE:
-        return True
+    value = resume_request(args.resume_from_checkpoint)
+    if value is None or value is True or value == AUTO:
+        return value
     if not os.path.isdir(value):
         raise ConfigError(
             f"--resume_from_checkpoint {value!r}: no such checkpoint directory. Pass a checkpoint-N "

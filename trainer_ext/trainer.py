@@ -18,6 +18,7 @@ from transformers.utils import logging
 from . import _compat
 from .auto_batch import AutoBatchMixin
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
+from .callbacks.duties import DutyCallbackHandler
 from .callbacks.run_summary import RunSummaryCallback
 from .checkpointing import CheckpointingMixin
 from .checkpointing.sharded_mixin import ShardedCheckpointMixin
@@ -45,6 +46,15 @@ def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
         "broadcast_buffers": args.ddp_broadcast_buffers,
         "static_graph": args.ddp_static_graph,
     }
+
+
+# accelerate's GradientAccumulationPlugin defaults: its plugin_kwargs list only the values that differ
+_ACCUMULATION_DEFAULTS = {
+    "num_steps": None,
+    "adjust_scheduler": True,
+    "sync_with_dataloader": True,
+    "sync_each_batch": False,
+}
 
 
 class SteppedByEngine:
@@ -80,12 +90,15 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
             args = TrainingArguments(output_dir="trainer_output")
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
-        self.add_callback(RunSummaryCallback(self))
-        present = self.callback_handler.callbacks
-        for default in (MainProcessLoggingCallback, BarrierCallback, UnwrapAndSaveCallback):
-            # a user's own instance (callbacks=[...]), a subclass's too, takes the default's place
-            if not any(isinstance(callback, default) for callback in present):
-                self.add_callback(default() if default is BarrierCallback else default(self))
+        # the engine's duties run after the user's callbacks but are not listed among them (drop-in: a script sees
+        # transformers' callback list); a user's own instance of one, listed, takes its place
+        duties = [RunSummaryCallback(self)] if args.run_summary else []
+        duties += [
+            MainProcessLoggingCallback(self),
+            BarrierCallback(),
+            UnwrapAndSaveCallback(self, save_final=args.save_final_model),
+        ]
+        self.callback_handler = DutyCallbackHandler.wrap(self.callback_handler, duties)
 
     def _fix_loss_kwargs_detection(self) -> None:
         """Only trust token-count normalisation from models whose loss really uses ``num_items_in_batch``."""
@@ -138,11 +151,16 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
         grad_acc_kwargs = dict(config.gradient_accumulation_kwargs or {})
         if "num_steps" in grad_acc_kwargs:
             if args.gradient_accumulation_steps > 1:
+                # transformers' type and words first, then which one to keep
                 raise ConfigError(
-                    "accelerator_config.gradient_accumulation_kwargs.num_steps and --gradient_accumulation_steps "
-                    "are both set; keep only --gradient_accumulation_steps"
+                    "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 "
+                    "in the passed `TrainingArguments`. If using the passed `AcceleratorConfig` is desired, do not "
+                    "set the `TrainingArguments` `gradient_accumulation_steps` (keep only one of the two)."
                 )
-            args.gradient_accumulation_steps = grad_acc_kwargs.pop("num_steps")
+            args.gradient_accumulation_steps = grad_acc_kwargs["num_steps"]
+        # as under accelerate: the Trainer accumulates itself, so the plugin's own count is 1; defaults are not listed
+        grad_acc_kwargs["num_steps"] = 1
+        grad_acc_kwargs = {k: v for k, v in grad_acc_kwargs.items() if _ACCUMULATION_DEFAULTS.get(k, object()) != v}
         compile_kwargs = None
         if args.torch_compile:
             compile_kwargs = {"backend": args.torch_compile_backend or "inductor"}

@@ -72,6 +72,34 @@ class TrainingArguments(transformers.TrainingArguments):
         default=1,
         metadata={"help": "Agree across ranks on a received preemption signal every N optimizer steps."},
     )
+    save_final_model: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to write the unwrapped final model (with its config and tokenizer) to `output_dir` at the "
+                "end of training and check that it reloads, without a call to `save_model`. On for "
+                "`trainer_ext.train` and `trainer-ext train`."
+            )
+        },
+    )
+    run_summary: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to print what one optimizer step means (world size, batches, accumulation, steps, "
+                "precision, schedule) when training starts. On for `trainer_ext.train` and `trainer-ext train`."
+            )
+        },
+    )
+    save_on_preemption: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether SIGTERM/SIGUSR1 saves a checkpoint at the next step boundary on every rank and then exits "
+                "with `preemption_exit_code`. On for `trainer_ext.train` and `trainer-ext train`."
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         self._refuse_unsupported()
@@ -93,6 +121,8 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ConfigError(str(error)) from error
         finally:
             self.deepspeed = deepspeed
+        # transformers converts it only when accelerate is installed; scripts read its attributes either way
+        self.accelerator_config = _compat.accelerator_config(self.accelerator_config)
         if self.fp8:
             if self.fp16 or self.bf16:
                 raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
@@ -173,6 +203,14 @@ class TrainingArguments(transformers.TrainingArguments):
                 )
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        """transformers' ``to_dict``, with ``accelerator_config`` as a dict (upstream does it only with accelerate)."""
+        values = super().to_dict()
+        config = values.get("accelerator_config")
+        if config is not None and not isinstance(config, (dict, str)) and hasattr(config, "to_dict"):
+            values["accelerator_config"] = config.to_dict()
+        return values
 
     # The distributed state belongs to the process that built it: a pickled copy (training_args.bin)
     # loaded elsewhere, e.g. by another rank, must set its own devices up again.

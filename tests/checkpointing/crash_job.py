@@ -55,7 +55,13 @@ def main(out: str, mode: str, strategy: str = "ddp") -> None:
         "preempt": Fault(3, signal.SIGUSR1, once=False),
     }
     args = make_args(
-        out, save_strategy="steps", save_steps=2, num_train_epochs=2, ddp_timeout=30, **STRATEGIES[strategy]
+        out,
+        save_strategy="steps",
+        save_steps=2,
+        num_train_epochs=2,
+        ddp_timeout=30,
+        save_on_preemption=True,
+        **STRATEGIES[strategy],
     )
     trainer = Trainer(
         model=tiny_llama(0),

@@ -45,7 +45,13 @@ class Lines(logging.Handler):
 
 
 def trainer(out: Path, strategy: str, model=None, **overrides) -> Trainer:
-    settings = {"save_strategy": "steps", "save_steps": 2, "max_steps": 6, "per_device_train_batch_size": 1}
+    settings = {
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "max_steps": 6,
+        "per_device_train_batch_size": 1,
+        "save_on_preemption": True,
+    }
     args = make_args(out, **{**settings, **SETTINGS[strategy], **overrides})
     return Trainer(model=model or tiny_llama(0), args=args, train_dataset=lm_dataset(24, seed=3))
 

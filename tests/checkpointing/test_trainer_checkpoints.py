@@ -19,7 +19,8 @@ from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 DATA = lm_dataset(24, seed=3)
-COMMON = dict(save_strategy="steps", save_steps=2, num_train_epochs=1)  # 12 steps of batch 2
+# 12 steps of batch 2; the job's extras on (a plain Trainer has them off): preemption saves, the final model
+COMMON = dict(save_strategy="steps", save_steps=2, num_train_epochs=1, save_on_preemption=True, save_final_model=True)
 
 
 def _trainer(out: Path, callbacks=(), **overrides) -> Trainer:
@@ -240,7 +241,7 @@ class SignalTheGroup(TrainerCallback):
 # the signal, so a worker that died on it would fail the run before the save
 args = make_args(
     {out!r}, save_strategy="steps", save_steps=100, max_steps=12, dataloader_num_workers=1,
-    dataloader_prefetch_factor=1, preemption_check_steps=4,
+    dataloader_prefetch_factor=1, preemption_check_steps=4, save_on_preemption=True,
 )
 Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(48), callbacks=[SignalTheGroup()]).train()
 """

@@ -10,11 +10,22 @@ import math
 import weakref
 from typing import Any
 
+from torch.utils.data import IterableDataset
 from transformers import TrainerCallback
+
+
+def _length(loader: Any) -> int | None:
+    """``len(loader)``, or None for a loader over an iterable dataset (or any without a length)."""
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def _tokens_per_sample(dataset: Any, limit: int = 1000) -> tuple[float, bool] | None:
     """Mean length of ``input_ids`` over the first ``limit`` samples and whether all were equal."""
+    if dataset is None or isinstance(dataset, IterableDataset):  # reading it would consume the stream
+        return None
     try:
         n = min(len(dataset), limit)
         if hasattr(dataset, "select") and hasattr(dataset, "with_format"):  # datasets.Dataset: one columnar read
@@ -33,7 +44,7 @@ def run_summary(
     world_size: int,
     per_device_batch: int,
     accumulation: int,
-    batches_per_epoch: int,
+    batches_per_epoch: int | None,
     max_steps: int,
     precision: str,
     strategy: str,
@@ -42,8 +53,6 @@ def run_summary(
 ) -> str:
     """The block as text (a pure function so that it is tested without a run)."""
     global_batch = world_size * per_device_batch * accumulation
-    steps_per_epoch = max(math.ceil(batches_per_epoch / accumulation), 1)
-    last_window = batches_per_epoch % accumulation
     lines = [
         "***** trainer_ext: one optimizer step *****",
         f"  world size              = {world_size} ({strategy})",
@@ -57,9 +66,15 @@ def run_summary(
             f"  global batch (tokens)   = {global_batch * mean:.0f}"
             + ("" if exact else f" (approx.: mean length {mean:.1f} before padding)")
         )
+    if batches_per_epoch is None:  # an iterable dataset, or a loader without a length
+        lines.append("  optimizer steps / epoch = unknown (the data has no length)")
+    else:
+        last_window = batches_per_epoch % accumulation
+        lines.append(
+            f"  optimizer steps / epoch = {max(math.ceil(batches_per_epoch / accumulation), 1)}"
+            + (f" (the last window of each epoch has {last_window} micro-batches)" if last_window else "")
+        )
     lines += [
-        f"  optimizer steps / epoch = {steps_per_epoch}"
-        + (f" (the last window of each epoch has {last_window} micro-batches)" if last_window else ""),
         f"  optimizer steps, total  = {max_steps}",
         f"  precision               = {precision}",
         f"  LR schedule             = {schedule}, counted in optimizer steps (never micro-batches or processes)",
@@ -87,12 +102,12 @@ class RunSummaryCallback(TrainerCallback):
             world_size=args.world_size,
             per_device_batch=args.train_batch_size,
             accumulation=args.gradient_accumulation_steps,
-            batches_per_epoch=len(train_dataloader),
+            batches_per_epoch=_length(train_dataloader),
             max_steps=state.max_steps,
             precision=precision,
             strategy=engine.strategy.name,
             schedule=f"{args.lr_scheduler_type.value if hasattr(args.lr_scheduler_type, 'value') else args.lr_scheduler_type} "
             f"with {warmup} warm-up steps",
-            tokens=_tokens_per_sample(train_dataloader.dataset),
+            tokens=_tokens_per_sample(getattr(train_dataloader, "dataset", None)),
         )
         print(self.printed, flush=True)

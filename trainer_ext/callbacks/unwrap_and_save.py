@@ -80,7 +80,7 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
             storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
     tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
     shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in state.items()}  # ZeRO-3: the full shape
-    if hasattr(model, "config") and hasattr(model, "save_pretrained"):
+    if getattr(model, "config", None) is not None and hasattr(model, "save_pretrained"):
         meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
         converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save
         if converted is not None and set(converted) != set(meta):
@@ -138,7 +138,7 @@ def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, proces
     problems: list[str] = []
     if adapters is None:
         problems += _compare(folder, *_expected_tensors(model), MODEL_FILE)
-        if hasattr(model, "config") and not (folder / "config.json").is_file():
+        if getattr(model, "config", None) is not None and not (folder / "config.json").is_file():
             problems.append("no config.json")
     for sub, expected in (adapters or {}).items():
         where, label = folder / sub, f"adapter {sub}: " if sub else ""

@@ -8,17 +8,19 @@ commit and counts only complete checkpoints, and resume verifies what it loads o
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from ..callbacks.duties import DutyCallbackHandler
 from ..dist import sharded_checkpoint
 from ..errors import ConfigError
 from . import marker, together
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
+from .resume import AUTO, resume_request
 from .sharded_mixin import check_deepspeed_model, has_deepspeed_checkpoint
 
 logger = logging.getLogger(__name__)
-AUTO = "auto"
 
 
 def _barrier(trainer: Any) -> None:
@@ -31,16 +33,24 @@ class CheckpointingMixin:
     _preemption: PreemptionCallback | None = None
     _rotation_limit: int | None = None
 
-    def _install_preemption(self) -> PreemptionCallback:
-        if self._preemption is None:
+    def _install_preemption(self) -> PreemptionCallback | None:
+        """The preemption handler when ``save_on_preemption`` is set (a duty, or the user's listed instance)."""
+        handler = self.callback_handler
+        found = handler.duty(PreemptionCallback) if isinstance(handler, DutyCallbackHandler) else None
+        if (
+            found is None
+            and isinstance(handler, DutyCallbackHandler)
+            and getattr(self.args, "save_on_preemption", False)
+        ):
             grace = getattr(self.args, "preemption_grace_seconds", 30.0)
             every = getattr(self.args, "preemption_check_steps", 1)
-            self._preemption = PreemptionCallback(grace, every)
-            self.add_callback(self._preemption)
-        return self._preemption
+            found = PreemptionCallback(grace, every)
+            handler.add_duty(found)
+        self._preemption = found
+        return found
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """transformers' ``train`` with ``True``/``"auto"`` resolved to the newest complete checkpoint."""
+        """transformers' ``train`` with ``True``/``"auto"``/``"latest"`` resolved to the newest complete checkpoint."""
         resume = self.resolve_resume(resume_from_checkpoint)
         preemption = self._install_preemption()
         self._rotation_limit = self.args.save_total_limit
@@ -49,9 +59,9 @@ class CheckpointingMixin:
             result = super().train(resume, *args, **kwargs)
         finally:
             self.args.save_total_limit, self._rotation_limit = self._rotation_limit, None
-            if preemption.preempted_at is None:  # also when train() raised: SIGTERM must kill the process again
-                preemption.flag.restore()
-        if preemption.preempted_at is not None:
+            if preemption is not None and preemption.preempted_at is None:
+                preemption.flag.restore()  # also when train() raised: SIGTERM must kill the process again
+        if preemption is not None and preemption.preempted_at is not None:
             code = getattr(self.args, "preemption_exit_code", DEFAULT_EXIT_CODE)
             logger.warning(
                 "preempted: checkpoint-%d is saved; exiting with code %d (resume with --resume_from_checkpoint auto)",
@@ -62,25 +72,36 @@ class CheckpointingMixin:
         return result
 
     def resolve_resume(self, value: str | bool | None) -> str | None:
-        """The checkpoint to resume from: ``True`` = newest complete (error if none), ``"auto"`` = same or None."""
-        if value is None or value is False:
+        """The checkpoint to resume from: ``True``/"true"/"latest" = the newest complete one (ValueError if none),
+        ``"auto"`` = the same or None, a path = that checkpoint, verified (ValueError when it does not exist)."""
+        value = resume_request(value)
+        if value is None:
             return None
-        if value is True or str(value).lower() == AUTO:
+        if value is True or value == AUTO:
             chosen, skipped = together.newest_complete_together(self.args.output_dir, part=self._verify_part())
             for line in skipped:
                 logger.warning("resume: skipping %s", line)
             if chosen is None:
                 if value is True:
+                    # transformers' words first: scripts match them
                     raise ConfigError(
-                        f"no complete checkpoint in {self.args.output_dir!r} to resume from"
+                        f"No valid checkpoint found in output directory ({self.args.output_dir}): no complete "
+                        "checkpoint-N folder to resume from"
                         + (f" ({'; '.join(skipped)})" if skipped else "")
+                        + ". Pass resume_from_checkpoint='auto' to start fresh when there is none"
                     )
                 logger.warning("resume: no complete checkpoint in %s, starting from scratch", self.args.output_dir)
                 return None
             logger.warning("resume: from %s, the newest complete checkpoint", chosen)
             path = str(chosen)
         else:
-            path = str(value)
+            path = value
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"Can't find a valid checkpoint at {path}: no such directory. Pass a checkpoint-N folder, "
+                    "True (or 'true', 'latest') for the newest complete checkpoint in output_dir, or 'auto' "
+                    "(that one if any, else start fresh)"
+                )
             try:
                 found = together.verify_together(path, require_marker=False, part=self._verify_part())
             except marker.CheckpointError as error:
@@ -146,13 +167,15 @@ class CheckpointingMixin:
         if not weights.is_file():
             return
         header = marker.check_safetensors(weights)
-        expected = {k: list(v.shape) for k, v in expected_model.state_dict().items()}
+        # shapes of parameters only: a model's own load_state_dict may legitimately resize its buffers
+        expected = {k: list(v.shape) for k, v in expected_model.named_parameters(remove_duplicate=False)}
+        known = set(expected_model.state_dict())
         wrong = [
             f"{k} {v['shape']} vs {expected[k]}"
             for k, v in header.items()
             if k != "__metadata__" and k in expected and v["shape"] != expected[k]
         ]
-        unknown = [k for k in header if k != "__metadata__" and k not in expected]
+        unknown = [k for k in header if k != "__metadata__" and k not in known]
         if wrong or unknown:
             raise ConfigError(
                 f"{path.name} holds another model: "
@@ -198,9 +221,13 @@ class CheckpointingMixin:
         _barrier(self)
 
     def get_train_dataloader(self) -> Any:
-        """The Trainer's loader, with workers that leave SIGTERM/SIGUSR1 to the training process."""
+        """The Trainer's loader; with ``save_on_preemption`` its workers leave SIGTERM/SIGUSR1 to the trainer."""
         loader = super().get_train_dataloader()
-        if getattr(loader, "num_workers", 0) > 0 and not isinstance(loader.worker_init_fn, WorkerInit):
+        if (
+            self._preemption is not None
+            and getattr(loader, "num_workers", 0) > 0
+            and not isinstance(loader.worker_init_fn, WorkerInit)
+        ):
             wrapped = WorkerInit(loader.worker_init_fn)
             loader.worker_init_fn = wrapped
             if isinstance(getattr(loader, "_loader_kwargs", None), dict):
