@@ -9,6 +9,7 @@ to the original for any other. Nothing here imports accelerate.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 from typing import Any
@@ -81,6 +82,29 @@ def _routing_skip_first_batches(original: Any) -> Any:
     return skip_first_batches
 
 
+def _routing_find_executable_batch_size(original: Any) -> Any:
+    """``find_executable_batch_size`` that runs our trainers' loop once (they shrink the micro-batch themselves)."""
+
+    def find_executable_batch_size(
+        function: Any = None, starting_batch_size: int = 128, auto_find_batch_size: bool = False
+    ) -> Any:
+        from .auto_batch import AutoBatchMixin
+
+        if function is None:
+            return functools.partial(
+                find_executable_batch_size,
+                starting_batch_size=starting_batch_size,
+                auto_find_batch_size=auto_find_batch_size,
+            )
+        if isinstance(getattr(function, "__self__", None), AutoBatchMixin):
+            # our trainers shrink the micro-batch inside the step: no restart of the loop, no accelerate
+            return functools.partial(function, batch_size=starting_batch_size)
+        return original(function, starting_batch_size, auto_find_batch_size)
+
+    find_executable_batch_size._trainer_ext = True
+    return find_executable_batch_size
+
+
 _installed = False
 
 
@@ -107,6 +131,9 @@ def install() -> None:
     current = getattr(hf_trainer, "skip_first_batches", None)
     if not getattr(current, "_trainer_ext", False):
         hf_trainer.skip_first_batches = _routing_skip_first_batches(current)
+    current = hf_trainer.find_executable_batch_size
+    if not getattr(current, "_trainer_ext", False):
+        hf_trainer.find_executable_batch_size = _routing_find_executable_batch_size(current)
     _installed = True
 
 

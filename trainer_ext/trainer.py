@@ -92,11 +92,11 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
         self._fix_loss_kwargs_detection()
         # the engine's duties run after the user's callbacks but are not listed among them (drop-in: a script sees
         # transformers' callback list); a user's own instance of one, listed, takes its place
-        duties = [RunSummaryCallback(self)] if args.run_summary else []
+        duties = [RunSummaryCallback(self)] if getattr(args, "run_summary", False) else []
         duties += [
             MainProcessLoggingCallback(self),
             BarrierCallback(),
-            UnwrapAndSaveCallback(self, save_final=args.save_final_model),
+            UnwrapAndSaveCallback(self, save_final=getattr(args, "save_final_model", False)),
         ]
         self.callback_handler = DutyCallbackHandler.wrap(self.callback_handler, duties)
 

@@ -175,10 +175,18 @@ class TrainingArguments(transformers.TrainingArguments):
                 "--deepspeed needs the deepspeed package: pip install 'trainer_ext[deepspeed]' (on a machine "
                 "without CUDA: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]')"
             )
-        if self.auto_find_batch_size:
+        if self.auto_find_batch_size and (self.deepspeed or _fsdp_requested(self.fsdp)):
+            # DeepSpeed fixes its micro-batch and accumulation in its config; FSDP2 all-gathers in every forward, so
+            # a rank that alone splits its micro-batch would wait for collectives the others never issue
+            why = (
+                "DeepSpeed fixes train_micro_batch_size_per_gpu and gradient_accumulation_steps in its config"
+                if self.deepspeed
+                else "each FSDP forward all-gathers, so ranks must run the same number of micro-batches"
+            )
             raise ConfigError(
-                "--auto_find_batch_size is not supported by trainer_ext; set --per_device_train_batch_size "
-                "and use --gradient_accumulation_steps to reach the global batch you want"
+                f"--auto_find_batch_size is not supported with --{'deepspeed' if self.deepspeed else 'fsdp'} ({why}); "
+                "set --per_device_train_batch_size and use --gradient_accumulation_steps to reach the global batch "
+                "you want"
             )
 
     def _check_values(self) -> None:

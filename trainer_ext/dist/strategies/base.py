@@ -56,6 +56,10 @@ class Strategy:
         """Context in which backward does not synchronise gradients (non-final micro-batches)."""
         return contextlib.nullcontext()
 
+    def after_failed_forward(self, model: torch.nn.Module) -> None:
+        """Undo what a forward that raised (out of memory) left half done, so that the retry issues the same
+        collectives as the ranks that did not fail. Nothing to undo by default."""
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loss.backward(**kwargs)
 

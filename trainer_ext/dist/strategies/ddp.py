@@ -42,3 +42,9 @@ class DDPStrategy(Strategy):
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def after_failed_forward(self, model: torch.nn.Module) -> None:
+        """DDP broadcasts buffers in the first forward after a synchronised one and clears its flag at the end of
+        that forward; one that raised never got there, and the other ranks broadcast only once."""
+        if isinstance(model, DistributedDataParallel):
+            model.require_forward_param_sync = False
