@@ -18,9 +18,9 @@ import torch
 import transformers
 from packaging.version import Version
 
-from .dist.data import ShardedDataLoader
 from .dist.data import skip_first_batches as _our_skip_first_batches
 from .dist.state import DistributedType
+from .dist.tracking import TrackedIteration
 
 SUPPORTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))
 
@@ -74,7 +74,7 @@ def should_reduce_batch_size(exception: Exception) -> bool:
 
 def _routing_skip_first_batches(original: Any) -> Any:
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-        if isinstance(dataloader, ShardedDataLoader) or original is None:
+        if isinstance(dataloader, TrackedIteration) or original is None:  # every loader of ours
             return _our_skip_first_batches(dataloader, num_batches)
         return original(dataloader, num_batches)
 

@@ -305,8 +305,12 @@ def test_iterable_dataset() -> None:
     tracked = shard_dataloader(plain, num_processes=1, process_index=0, gradient_state=GradientState(), seed=0)
     assert tracked.dataset is plain.dataset and tracked.batch_size == 2
     assert [b.tolist() for b in tracked] == [b.tolist() for b in plain]
-    with pytest.raises(ConfigError, match="map-style"):
-        shard_dataloader(plain, num_processes=2, process_index=0, gradient_state=GradientState(), seed=0)
+    # several processes: every rank reads the stream and keeps its share (no longer refused)
+    ranks = [
+        shard_dataloader(plain, num_processes=2, process_index=r, gradient_state=GradientState(), seed=0)
+        for r in range(2)
+    ]
+    assert [[b.tolist() for b in dl] for dl in ranks] == [[[0, 1]], [[2, 3]]]
 
 
 @pytest.mark.parametrize(
@@ -432,3 +436,8 @@ def test_resume_does_not_walk_through_the_skipped_batches(monkeypatch: pytest.Mo
     skipped = skip_first_batches(loader, 5)
     skipped.set_epoch(0)
     assert _lists(skipped) == full[5:]
+
+
+def test_split_shard_needs_a_batch_size_divisible_by_the_processes() -> None:
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        BatchSamplerShard(BatchSampler(SequentialSampler(range(10)), 4, False), 3, 0, split_batches=True)

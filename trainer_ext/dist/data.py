@@ -1,10 +1,12 @@
 """Dataloader sharding: seeded sampler, round-robin batches per rank, even last round, cheap skipping.
 
 Rank r of W receives batches r, r+W, r+2W, … of the original loader, so W ranks with batch b see the
-same samples in the same order as one rank with batch W·b. The last round is completed with samples
-from the start of the epoch (every rank steps the same number of times); ``remainder`` tells
-``gather_for_metrics`` how many of the last gathered rows are real, so evaluation drops the padding.
-Skipping batches on resume works on indices only: no sample is loaded or collated to be thrown away.
+same samples in the same order as one rank with batch W·b; with ``split_batches`` every rank gets its
+contiguous 1/W of each batch instead. The last round is completed with samples from the start of the epoch
+(every rank steps the same number of times); ``remainder`` tells ``gather_for_metrics`` how many of the
+last gathered rows are real, so evaluation drops the padding. Skipping batches on resume works on indices
+only: no sample is loaded or collated to be thrown away. :func:`shard_dataloader` picks the loader:
+this one, a dispatching one (``dispatch.py``) or, for iterable datasets, a stream shard (``iterable.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,21 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..errors import ConfigError
 from .accumulation import GradientState
-from .collectives import send_to_device
+from .dispatch import DispatchedDataLoader
+from .iterable import IterableDatasetShard, IterableShardLoader
+from .split import check_split
+from .tracking import TrackedDataLoader, TrackedIteration
+
+__all__ = [
+    "BatchSamplerShard",
+    "DispatchedDataLoader",
+    "IterableShardLoader",
+    "SeedableRandomSampler",
+    "ShardedDataLoader",
+    "TrackedDataLoader",
+    "shard_dataloader",
+    "skip_first_batches",
+]
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -40,24 +56,43 @@ class SeedableRandomSampler(RandomSampler):
 
 
 class BatchSamplerShard:
-    """This rank's share of an existing batch sampler (``.batch_sampler`` keeps the original)."""
+    """This rank's share of an existing batch sampler (``.batch_sampler`` keeps the original).
 
-    def __init__(self, batch_sampler: Any, num_processes: int, process_index: int, even_batches: bool = True) -> None:
+    Whole batches in turn, or with ``split_batches`` the rank's contiguous slice of every batch (the batch size
+    must then be a multiple of the number of processes).
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Any,
+        num_processes: int,
+        process_index: int,
+        even_batches: bool = True,
+        split_batches: bool = False,
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
         self.even_batches = even_batches
+        self.split_batches = split_batches
         self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        if split_batches:
+            check_split(self.batch_size, num_processes, split_batches)
         self.skip_batches = 0
         self.pending_skip = 0  # one-shot: skipped by the next pass only (resume from a saved position)
 
     def _total_batches(self) -> int:
         return len(self.batch_sampler)
 
+    @property
+    def _round(self) -> int:
+        """Original batches per round of the ranks: one when each is split among them."""
+        return 1 if self.split_batches else self.num_processes
+
     def __len__(self) -> int:
         total, ws = self._total_batches(), self.num_processes
-        if ws == 1:
+        if ws == 1 or self.split_batches:
             n = total
         elif self.drop_last:
             n = total // ws
@@ -69,7 +104,7 @@ class BatchSamplerShard:
 
     def _global_batches(self) -> Iterator[list[int]]:
         """The original batches; with ``even_batches`` the last round is completed from the epoch's head."""
-        ws = self.num_processes
+        ws = self._round
         first: list[list[int]] = []  # the first round, source of the padding
         count = 0
         short: list[int] = []
@@ -82,7 +117,7 @@ class BatchSamplerShard:
                 break
             count += 1
             yield batch
-        if ws == 1 or not self.even_batches or self.drop_last:
+        if self.num_processes == 1 or not self.even_batches or self.drop_last:
             if short:
                 yield short
             return
@@ -108,9 +143,9 @@ class BatchSamplerShard:
         batch 10 costs: one pass of the sampler, no Python loop over the skipped batches.
         """
         indices = list(self.batch_sampler.sampler)
-        bs, ws = self.batch_size, self.num_processes
+        bs, ws = self.batch_size, self._round
         n_batches = len(indices) // bs if self.drop_last else -(-len(indices) // bs)
-        if ws > 1 and self.even_batches and not self.drop_last:
+        if self.num_processes > 1 and self.even_batches and not self.drop_last:
             # complete the short last batch and the unfinished last round from the epoch's head
             n_batches = -(-n_batches // ws) * ws
             head = indices[: ws * bs]
@@ -122,7 +157,10 @@ class BatchSamplerShard:
         ws, rank = self.num_processes, self.process_index
         skip, self.pending_skip = self.skip_batches + self.pending_skip, 0
         fast = skip > 0 and type(self.batch_sampler) is BatchSampler and self.batch_size is not None
-        batches = self._sliced_batches(skip * ws) if fast else self._global_batches()
+        batches = self._sliced_batches(skip * self._round) if fast else self._global_batches()
+        if self.split_batches:
+            yield from self._split(batches, 0 if fast else skip)
+            return
         mine = skip if fast else 0
         rounds = self._total_batches() // ws if ws > 1 and self.drop_last else None
         for i, batch in enumerate(batches, start=skip * ws if fast else 0):
@@ -134,56 +172,21 @@ class BatchSamplerShard:
                 yield batch
             mine += 1
 
+    def _split(self, batches: Iterator[list[int]], skip: int) -> Iterator[list[int]]:
+        """This rank's slice of each batch after the first ``skip``; a short uneven last batch may leave none."""
+        per = self.batch_size // self.num_processes
+        for i, batch in enumerate(batches):
+            part = batch[self.process_index * per : (self.process_index + 1) * per]
+            if i >= skip and part:
+                yield part
+
     def set_epoch(self, epoch: int) -> None:
         for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             if obj is not None and hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
 
 
-class _TrackedIteration:
-    """Look one batch ahead so ``end_of_dataloader`` is True while the last batch is in use, and tell the
-    gradient state which loader is active (an evaluation inside a training epoch has its own state)."""
-
-    gradient_state: GradientState
-    device: torch.device | None
-    end_of_dataloader: bool
-    remainder: int
-
-    def _on_iter_start(self) -> None:
-        """Hook for loaders that remember where a pass started."""
-
-    def __iter__(self) -> Iterator[Any]:
-        self.end_of_dataloader = False
-        self.batches_yielded = 0
-        self._on_iter_start()
-        self.gradient_state._add_dataloader(self)
-        try:
-            iterator = super().__iter__()  # type: ignore[misc]
-            try:
-                current = next(iterator)
-            except StopIteration:
-                return
-            while True:
-                try:
-                    upcoming = next(iterator)
-                except StopIteration:
-                    self.end_of_dataloader = True
-                    self.batches_yielded += 1
-                    yield self._place(current)
-                    return
-                self.batches_yielded += 1
-                yield self._place(current)
-                current = upcoming
-        finally:
-            self.gradient_state._remove_dataloader(self)
-
-    def _place(self, batch: Any) -> Any:
-        if self.device is None:
-            return batch
-        return send_to_device(batch, self.device, non_blocking=self.pin_memory)
-
-
-class ShardedDataLoader(_TrackedIteration, DataLoader):
+class ShardedDataLoader(TrackedIteration, DataLoader):
     """A DataLoader over a :class:`BatchSamplerShard` that tells the gradient state where it is.
 
     ``len()`` is the number of batches on this rank; ``.dataset`` is the full dataset.
@@ -203,17 +206,19 @@ class ShardedDataLoader(_TrackedIteration, DataLoader):
         self.gradient_state = gradient_state
         self.device = device
         self.end_of_dataloader = False
-        bs = shard.batch_size
         total = len(dataset) if hasattr(dataset, "__len__") else -1
-        if shard.drop_last or bs is None or total < 0:
+        if shard.drop_last or self.total_batch_size is None or total < 0:
             self.remainder = -1
         else:
-            self.remainder = total % (bs * shard.num_processes)
+            self.remainder = total % self.total_batch_size
 
     @property
     def total_batch_size(self) -> int | None:
-        bs = self.batch_sampler.batch_size
-        return None if bs is None else bs * self.batch_sampler.num_processes
+        """Samples per step over all ranks: the original batch size, times the ranks unless it is split."""
+        shard = self.batch_sampler
+        if shard.batch_size is None:
+            return None
+        return shard.batch_size if shard.split_batches else shard.batch_size * shard.num_processes
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
@@ -257,19 +262,6 @@ class ShardedDataLoader(_TrackedIteration, DataLoader):
         return loader
 
 
-class TrackedDataLoader(_TrackedIteration, DataLoader):
-    """An unsharded loader (an iterable dataset on one process) that still reports where it is."""
-
-    def __init__(
-        self, dataset: Any, *, gradient_state: GradientState, device: torch.device | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(dataset, **kwargs)
-        self.gradient_state = gradient_state
-        self.device = device
-        self.end_of_dataloader = False
-        self.remainder = -1
-
-
 _LOADER_KEYS = (
     "num_workers",
     "collate_fn",
@@ -293,53 +285,88 @@ def shard_dataloader(
     gradient_state: GradientState,
     seed: int,
     device: torch.device | None = None,
+    split_batches: bool = False,
+    dispatch_batches: bool | None = None,
     even_batches: bool = True,
     use_seedable_sampler: bool = True,
 ) -> DataLoader:
-    """Rebuild ``dataloader`` as this rank's :class:`ShardedDataLoader` (iterable datasets unsupported)."""
-    if isinstance(dataloader, (ShardedDataLoader, TrackedDataLoader)):
+    """Rebuild ``dataloader`` as this rank's loader, with accelerate's meaning of the options.
+
+    ``dispatch_batches`` (rank 0 reads, the others receive) defaults to True for an iterable dataset when
+    batches are placed on a device, False otherwise; it ignores ``even_batches`` (its last batch is always
+    completed). Iterable datasets not dispatched are read by every rank, each keeping its share.
+    """
+    if isinstance(dataloader, TrackedIteration):
         return dataloader
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = iterable and device is not None
+    elif dispatch_batches and device is None:
+        raise ConfigError(
+            "dispatch_batches=True broadcasts the batches from the main process, so they must be placed on the "
+            "device: turn device placement on, or set dispatch_batches=False"
+        )
+    batch_sampler = None if iterable else dataloader.batch_sampler
+    check_split(getattr(batch_sampler, "batch_size", dataloader.batch_size), num_processes, split_batches)
     kwargs = {k: getattr(dataloader, k) for k in _LOADER_KEYS if hasattr(dataloader, k)}
     if device is None or device.type != "cuda":
         kwargs["pin_memory"] = False  # pinning needs an accelerator; avoids torch's warning on CPU
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
-    if isinstance(dataloader.dataset, IterableDataset):
-        check_shardable(dataloader.dataset, num_processes)
+    common = {"gradient_state": gradient_state, "device": device}
+    if iterable and num_processes == 1:
         return TrackedDataLoader(
+            dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, **common, **kwargs
+        )
+    if batch_sampler is not None:
+        batch_sampler = _seeded(batch_sampler, seed) if use_seedable_sampler else batch_sampler
+    if dispatch_batches and num_processes > 1:
+        kwargs.pop("generator", None)
+        rows = {"batch_sampler": batch_sampler} if batch_sampler is not None else {"batch_size": dataloader.batch_size}
+        return DispatchedDataLoader(
             dataloader.dataset,
-            gradient_state=gradient_state,
-            device=device,
-            batch_size=dataloader.batch_size,
-            drop_last=dataloader.drop_last,
+            num_processes=num_processes,
+            process_index=process_index,
+            split_batches=split_batches,
+            drop_last=bool(getattr(batch_sampler, "drop_last", dataloader.drop_last)),
+            **rows,
+            **common,
             **kwargs,
         )
-    batch_sampler = dataloader.batch_sampler
-    sampler = getattr(batch_sampler, "sampler", None)
-    if (
-        use_seedable_sampler
-        and type(batch_sampler) is BatchSampler
-        and type(sampler) is RandomSampler
-        and not sampler.replacement
-    ):
-        seeded = SeedableRandomSampler(sampler.data_source, seed=seed, num_samples=sampler._num_samples)
-        batch_sampler = BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
-    shard = BatchSamplerShard(batch_sampler, num_processes, process_index, even_batches=even_batches)
-    return ShardedDataLoader(dataloader.dataset, shard=shard, gradient_state=gradient_state, device=device, **kwargs)
-
-
-def check_shardable(dataset: Any, num_processes: int) -> None:
-    """Iterable datasets are not split across processes yet: refuse them on several ranks, up front."""
-    if num_processes > 1 and isinstance(dataset, IterableDataset):
-        raise ConfigError(
-            "iterable datasets are not sharded across processes yet; convert it to a map-style dataset "
-            "(e.g. datasets.Dataset) for multi-process training"
+    if iterable:
+        if dataloader.batch_size is None:
+            raise ConfigError(
+                "an iterable dataset read by every process needs a batch_size on its DataLoader; set one, or "
+                "set dispatch_batches=True"
+            )
+        shard = IterableDatasetShard(
+            dataloader.dataset,
+            dataloader.batch_size,
+            num_processes=num_processes,
+            process_index=process_index,
+            drop_last=dataloader.drop_last,
+            split_batches=split_batches,
         )
+        return IterableShardLoader(shard, **common, **kwargs)
+    shard = BatchSamplerShard(
+        batch_sampler, num_processes, process_index, even_batches=even_batches, split_batches=split_batches
+    )
+    return ShardedDataLoader(dataloader.dataset, shard=shard, **common, **kwargs)
+
+
+def _seeded(batch_sampler: Any, seed: int) -> Any:
+    """A plain shuffling batch sampler rebuilt on :class:`SeedableRandomSampler` (same order on every rank)."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    if type(batch_sampler) is BatchSampler and type(sampler) is RandomSampler and not sampler.replacement:
+        seeded = SeedableRandomSampler(sampler.data_source, seed=seed, num_samples=sampler._num_samples)
+        return BatchSampler(seeded, batch_sampler.batch_size, batch_sampler.drop_last)
+    return batch_sampler
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-    """Skip this rank's first ``num_batches`` batches without loading them (resume mid-epoch)."""
+    """Skip this rank's first ``num_batches`` batches: by index for a sharded loader (nothing is loaded), by
+    reading them for the others (dispatched or iterable loaders: every rank still takes part in each batch)."""
     if isinstance(dataloader, ShardedDataLoader):
         return dataloader.skip(num_batches)
     import itertools

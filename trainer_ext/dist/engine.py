@@ -61,9 +61,11 @@ class Engine:
         )
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
         self.seed = seed
-        self.split_batches = split_batches
+        # accelerate's dataloader options, read by transformers and users as accelerator attributes;
+        # dispatch_batches None means "dispatch iterable datasets only", as in accelerate
+        self.split_batches = bool(split_batches)
         self.dispatch_batches = dispatch_batches
-        self.even_batches = even_batches
+        self.even_batches = bool(even_batches)
         self.use_seedable_sampler = use_seedable_sampler
         self.device_placement = device_placement
         self.torch_compile = torch_compile
@@ -111,6 +113,11 @@ class Engine:
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         return self.precision.scaler
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """accelerate's name: the accumulation the engine applies itself (1 under the Trainer, which accumulates)."""
+        return int(self.gradient_state.plugin_kwargs.get("num_steps") or self.gradient_state.num_steps)
 
     @property
     def sync_gradients(self) -> bool:
@@ -206,7 +213,12 @@ class Engine:
         return wrapped
 
     def prepare_dataloader(self, dataloader: DataLoader, device_placement: bool | None = None) -> DataLoader:
-        """Shard ``dataloader`` over the processes; its batches move to our device unless placement is off."""
+        """Shard ``dataloader`` over the processes; its batches move to our device unless placement is off.
+
+        ``split_batches``, ``dispatch_batches`` and ``even_batches`` mean what they mean to accelerate (see
+        :func:`~trainer_ext.dist.data.shard_dataloader`); they are read at each call, so setting one between
+        two ``prepare`` calls applies to the loaders prepared after.
+        """
         place = self.device_placement if device_placement is None else device_placement
         seed = self.seed if self.seed is not None else torch.random.initial_seed()
         loader = shard_dataloader(
@@ -216,6 +228,8 @@ class Engine:
             gradient_state=self.gradient_state,
             seed=seed,
             device=self.device if place else None,
+            split_batches=self.split_batches,
+            dispatch_batches=self.dispatch_batches,
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
         )

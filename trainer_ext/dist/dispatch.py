@@ -1,0 +1,143 @@
+"""Dispatching (accelerate's ``dispatch_batches``): rank 0 reads the loader and sends every rank its part.
+
+A global batch is ``W`` consecutive batches of the wrapped loader joined together, or one batch with
+``split_batches``; rank 0 broadcasts it and each rank keeps its contiguous ``1/W`` of the rows. The data is read
+once, which is what a stream (an iterable dataset) needs. The short last global batch of ``k`` real rows is
+packed in rank order, ``min(k, per-rank size)`` rows per rank, and completed with rows from the epoch's first
+batch: the padding comes last in the gathered rows, so ``remainder = k`` lets ``gather_for_metrics`` drop it,
+and when the ``k`` rows fit on rank 0 the Trainer's repeated per-batch losses are cut back exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..errors import ConfigError
+from .accumulation import GradientState
+from .batches import allocate, batch_size, copy_rows, describe, join, take
+from .collectives import broadcast, broadcast_object_list, send_to_device
+from .split import rank_rows
+from .tracking import IteratedPosition, TrackedIteration
+
+
+class DispatchedDataLoader(IteratedPosition, TrackedIteration, DataLoader):
+    """Only rank 0 iterates the wrapped loader; every rank gets its part of each global batch by broadcast.
+
+    ``len()`` is the number of global batches; ``.dataset`` is the full dataset. Tensors travel on ``device``
+    (the process group's device: CUDA under NCCL), so dispatching needs device placement.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_processes: int,
+        process_index: int,
+        gradient_state: GradientState,
+        device: torch.device,
+        split_batches: bool = False,
+        drop_last: bool = False,
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, **loader_kwargs)
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.gradient_state = gradient_state
+        self.device = device
+        self.end_of_dataloader = False
+        self._drop_last = drop_last
+        self.remainder = self._known_remainder()
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Rows of a full global batch: the wrapped batch size, times the processes unless splitting."""
+        size = getattr(self.batch_sampler, "batch_size", None)
+        if size is None:
+            return None
+        return size if self.split_batches else size * self.num_processes
+
+    def __len__(self) -> int:
+        whole = super().__len__()
+        if self.split_batches:
+            return whole
+        return whole // self.num_processes if self._drop_last else -(-whole // self.num_processes)
+
+    def _known_remainder(self) -> int:
+        total = self.total_batch_size
+        try:
+            length = len(self.dataset)
+        except TypeError:
+            return -1
+        return -1 if self._drop_last or not total else length % total
+
+    def _read(self, raw: Iterator[Any]) -> tuple[Any, bool] | None:
+        """Rank 0 reads the next global batch and every rank receives it: (batch, short), or None at the end.
+
+        A failure on rank 0 is sent to the other ranks too, so that none of them waits for a batch forever.
+        """
+        header: list[Any] = [None]
+        batch = None
+        if self.process_index == 0:
+            want = 1 if self.split_batches else self.num_processes
+            try:
+                parts = [part for _, part in zip(range(want), raw, strict=False)]
+                if len(parts) < want and self._drop_last:
+                    parts = []
+                if parts:
+                    batch = send_to_device(_joined(parts), self.device)
+                    n, full = batch_size(batch) or 0, self.total_batch_size
+                    short = len(parts) < want or n % self.num_processes != 0 or (full is not None and n < full)
+                    header[0] = ("batch", describe(batch), short)
+                else:
+                    header[0] = ("end",)
+            except Exception as error:
+                header[0] = ("error", isinstance(error, ConfigError), f"{type(error).__name__}: {error}")
+                broadcast_object_list(header)
+                raise
+        broadcast_object_list(header)
+        kind = header[0][0]
+        if kind == "error":
+            text = f"rank 0 could not read the next batch to dispatch: {header[0][2]}"
+            raise ConfigError(text) if header[0][1] else RuntimeError(text)
+        if kind == "end":
+            return None
+        if self.process_index != 0:
+            batch = allocate(header[0][1], self.device)
+        return broadcast(batch), header[0][2]
+
+    def _source(self) -> Iterator[Any]:
+        # every rank creates the wrapped iterator (it draws a base seed from the global RNG): ranks stay in step
+        raw = super()._source()
+        ws, rank = self.num_processes, self.process_index
+        first = None  # the epoch's first rows: padding for a short last batch
+        while (received := self._read(raw)) is not None:
+            batch, short = received
+            n = batch_size(batch) or 0
+            full = self.total_batch_size
+            cap = full // ws if full else -(-n // ws)
+            if first is None:
+                first = copy_rows(take(batch, slice(0, cap)))
+            real, missing, offset = rank_rows(n, short, ws, rank, cap)
+            part = take(batch, real)
+            if missing:
+                m = batch_size(first) or 1
+                part = join([part, take(first, [(offset + j) % m for j in range(missing)])])
+            if short:
+                self.remainder = n
+            yield part
+
+
+def _joined(parts: list[Any]) -> Any:
+    try:
+        return join(parts)
+    except RuntimeError as error:
+        raise ConfigError(
+            "dispatch_batches joins the batches of all processes into one, but they differ in shape "
+            f"({error}). Pad every batch to one length, set split_batches=True (one batch is read and split), "
+            "or set dispatch_batches=False (each process reads its own batches)."
+        ) from error
