@@ -96,7 +96,9 @@ def test_classifier_whose_loss_ignores_num_items_is_averaged(tmp_path: Path, cap
 
 
 def test_start_up_block_is_printed_once(tmp_path: Path, capsys) -> None:
-    args = jobs.make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, max_steps=2)
+    args = jobs.make_args(
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, max_steps=2, run_summary=True
+    )
     Trainer(model=tiny_llama(0), args=args, train_dataset=lm_dataset(14)).train()
     out = capsys.readouterr().out
     assert out.count("trainer_ext: one optimizer step") == 1

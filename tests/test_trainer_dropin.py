@@ -249,3 +249,21 @@ def test_the_run_summary_handles_iterable_data(caplog, capsys, tmp_path: Path) -
     with caplog.at_level(logging.WARNING):
         Trainer(model=Regression(), args=args, train_dataset=Stream(16)).train()
     assert "optimizer steps / epoch = unknown (the data has no length)" in capsys.readouterr().out
+
+
+def test_resume_true_takes_a_run_written_without_trainer_ext(tmp_path: Path) -> None:
+    """No checkpoint has a COMPLETE marker (plain transformers wrote them): the newest finished one is taken."""
+    Trainer(model=Regression(), args=_args(tmp_path, max_steps=6, save_steps=2), train_dataset=Rows(32)).train()
+    for marker in tmp_path.glob("checkpoint-*/COMPLETE"):
+        marker.unlink()
+    (tmp_path / "checkpoint-6" / "trainer_state.json").unlink()  # killed before transformers finished it
+    trainer = Trainer(model=Regression(), args=_args(tmp_path, max_steps=8, save_steps=2), train_dataset=Rows(32))
+    assert trainer.resolve_resume(True) == str(tmp_path / "checkpoint-4")
+    assert trainer.train(resume_from_checkpoint=True).global_step == 8
+
+
+def test_where_markers_exist_a_folder_without_one_is_not_resumed(tmp_path: Path) -> None:
+    Trainer(model=Regression(), args=_args(tmp_path, max_steps=6, save_steps=2), train_dataset=Rows(32)).train()
+    (tmp_path / "checkpoint-6" / "COMPLETE").unlink()  # as if killed while committing checkpoint-6
+    trainer = Trainer(model=Regression(), args=_args(tmp_path, max_steps=8, save_steps=2), train_dataset=Rows(32))
+    assert trainer.resolve_resume("latest") == str(tmp_path / "checkpoint-4")

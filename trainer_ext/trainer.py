@@ -87,7 +87,7 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
                 "`from trainer_ext import TrainingArguments`"
             )
         if args is None:
-            args = TrainingArguments(output_dir="trainer_output")
+            args = TrainingArguments(output_dir="tmp_trainer")  # transformers' default for a Trainer without args
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_kwargs_detection()
         # the engine's duties run after the user's callbacks but are not listed among them (drop-in: a script sees

@@ -95,7 +95,7 @@ def test_a_pickled_object_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_true_without_a_complete_checkpoint_explains(tmp_path: Path) -> None:
     (tmp_path / "checkpoint-3").mkdir(parents=True)
     trainer = _trainer(tmp_path)
-    with pytest.raises(ConfigError, match="no complete checkpoint.*checkpoint-3: no COMPLETE marker"):
+    with pytest.raises(ConfigError, match="no complete checkpoint.*checkpoint-3: no trainer_state.json"):
         trainer.resolve_resume(True)
     assert trainer.resolve_resume("auto") is None
 

@@ -271,11 +271,13 @@ def start_up_job(out: Path) -> dict:
 
     trainer = Trainer(
         model=tiny_llama(0),
-        args=make_args(out, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=1, bf16=True),
+        args=make_args(
+            out, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=1, bf16=True, run_summary=True
+        ),
         train_dataset=lm_dataset(24),
     )
     trainer.train()
-    (summary,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, RunSummaryCallback)]
+    summary = trainer.callback_handler.duty(RunSummaryCallback)
     per_rank: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(
         per_rank, {"parallel_mode": str(trainer.args.parallel_mode), "printed": summary.printed}

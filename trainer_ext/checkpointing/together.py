@@ -13,7 +13,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .marker import CheckpointError, checksums, sorted_checkpoints, verify, writer_rank
+from .marker import CheckpointError, checksums, read_marker, sorted_checkpoints, verify, writer_rank
+
+TRAINER_STATE = "trainer_state.json"
 
 
 def _world() -> tuple[int, int]:
@@ -66,18 +68,27 @@ def verify_together(
 def newest_complete_together(
     directory: str | os.PathLike, *, part: tuple[int, int] = (0, 1)
 ) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint every rank verifies, and one line per newer one skipped and why (same on all ranks)."""
-    candidates = [p.name for p in reversed(sorted_checkpoints(directory))]
+    """The newest checkpoint every rank verifies, and one line per newer one skipped and why (same on all ranks).
+
+    A directory in which no checkpoint has a marker was written without trainer_ext (plain transformers): there,
+    as transformers does, the newest finished checkpoint (one with ``trainer_state.json``) is taken, its files
+    still verified. Where markers exist, a folder without one is a save that did not finish.
+    """
+    found = sorted_checkpoints(directory)
+    candidates = [p.name for p in reversed(found)]
+    foreign = bool(found) and all(read_marker(p) is None for p in found)
     rank, world = _world()
     if world > 1:  # rank 0's listing: every rank must walk the same candidates
-        box = [candidates]
+        box = [(candidates, foreign)]
         dist.broadcast_object_list(box, src=0)
-        candidates = box[0]
+        candidates, foreign = box[0]
     skipped: list[str] = []
     for name in candidates:
         path = Path(directory) / name
         try:
-            verify_together(path, part=part)
+            if foreign and not (path / TRAINER_STATE).is_file():
+                raise CheckpointError(f"no {TRAINER_STATE} (not a finished checkpoint)")
+            verify_together(path, require_marker=not foreign, part=part)
         except CheckpointError as error:
             skipped.append(f"{name}: {error}")
             continue
