@@ -1,0 +1,65 @@
+"""Drop-in parity: ordinary Trainer scripts observe the same under transformers+accelerate and under trainer_ext.
+
+Each scenario (``scenarios.py``) runs under both implementations in separate processes; a test per scenario
+fails on any difference that ``compare.ALLOWED`` does not list. Needs accelerate for the stock side, so it is
+skipped in the main environment: see tests/parity/README.md for the environment that runs it.
+
+CI sets ``TRAINER_EXT_REQUIRE_ACCELERATE=1``: there an accelerate that does not import stops the run with an error
+instead of skipping every scenario (a skipped suite would pass silently).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .compare import compare
+from .run_all import run_both, scenario_names
+
+OURS = os.environ.get("PARITY_OURS", "ours")  # "ours+accelerate": trainer_ext with accelerate importable
+REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
+
+try:
+    import accelerate  # noqa: F401  (the stock side's; the scenarios run in their own processes)
+except ImportError as exc:
+    NO_ACCELERATE: str | None = f"{type(exc).__name__}: {exc}"
+else:
+    NO_ACCELERATE = None
+
+pytestmark = [
+    pytest.mark.parity,
+    pytest.mark.skipif(
+        NO_ACCELERATE is not None and not REQUIRED,
+        reason="the stock side needs accelerate, which this environment must not have: "
+        "run in the parity venv (tests/parity/README.md)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The selected scenarios, run once under both implementations (side by side, one fork per scenario)."""
+    if NO_ACCELERATE is not None:  # not skipped: CI requires accelerate
+        pytest.exit(
+            f"TRAINER_EXT_REQUIRE_ACCELERATE=1 but accelerate does not import ({NO_ACCELERATE}); the stock side needs "
+            "it: run the parity suite in the peft environment, pip install -e '.[dev,peft]' (tests/parity/README.md)",
+            returncode=1,
+        )
+    selected = {
+        item.callspec.params["scenario"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    names = [name for name in scenario_names() if name in selected]
+    outdir = Path(os.environ.get("PARITY_RESULTS") or tmp_path_factory.mktemp("parity"))
+    return run_both(names, outdir, OURS)
+
+
+@pytest.mark.parametrize("scenario", scenario_names())
+def test_parity(scenario: str, results: dict[str, dict]) -> None:
+    report = compare(results[scenario]["stock"], results[scenario]["ours"], scenario)
+    print(report.text())
+    if not report.ok:
+        pytest.fail(report.text(), pytrace=False)
