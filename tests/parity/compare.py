@@ -84,7 +84,7 @@ class Difference:
 
 
 # The refusals trainer_ext makes when the TrainingArguments are built, where stock fails later inside train()
-ARGUMENT_CHECKS = r"^(batch_size_zero|gradient_accumulation_zero|negative_learning_rate)\."
+ARGUMENT_CHECKS = "batch_size_zero|gradient_accumulation_zero|negative_learning_rate"
 # trainer_ext's own TrainingArguments fields (to_dict() lists them after transformers' own)
 OWN_FIELDS = (
     "fp8",
@@ -97,6 +97,13 @@ OWN_FIELDS = (
     "save_final_model",
     "save_on_preemption",
 )
+
+
+def misconfiguration(mistakes: str, paths: str = "outcome|raised_at", **fields: str) -> Allowed:
+    """A deliberate difference in the ``misconfigurations`` scenario, about the ``paths`` (a pattern on the rest of
+    the path: by default where it raised and its outcome) below the mistakes that ``mistakes`` names (a pattern)."""
+    return Allowed(path=rf"^({mistakes})\.({paths})$", scenario=r"^misconfigurations$", **fields)
+
 
 ALLOWED: list[Allowed] = [
     Allowed(
@@ -112,26 +119,24 @@ ALLOWED: list[Allowed] = [
         path=r"(^|\.)error$",
         kind=r"^refined exception$",
     ),
-    Allowed(
+    misconfiguration(
+        ARGUMENT_CHECKS,
+        r"raised_at|outcome\.error\.(type|message)",
         reason="trainer_ext refuses batch size 0, gradient_accumulation_steps=0 and a negative learning rate when "
         "the TrainingArguments are built (ConfigError, a ValueError, before anything is written); stock fails "
         "later inside train()",
-        scenario=r"^misconfigurations$",
-        path=ARGUMENT_CHECKS + r"(raised_at|outcome\.error\.(type|message))$",
         kind=r"^(value|exception type.*)$",
         ours=r"^(arguments|ConfigError)$|^--(per_device_train_batch_size|gradient_accumulation_steps|learning_rate) ",
     ),
-    Allowed(
+    misconfiguration(
+        "fp16_on_cpu",
         reason="trainer_ext refuses fp16=True on the CPU (fp16 autocast needs CUDA); stock silently trains in fp32",
-        scenario=r"^misconfigurations$",
-        path=r"^fp16_on_cpu\.(outcome|raised_at)$",
         kind=r"^(raised only in ours|type)$",
         ours=r"^(ConfigError: fp16 |arguments$)",
     ),
-    Allowed(
+    misconfiguration(
+        "bf16_without_use_cpu",
         reason="without a GPU, trainer_ext trains bf16=True on the CPU even without use_cpu; stock raises",
-        scenario=r"^misconfigurations$",
-        path=r"^bf16_without_use_cpu\.(outcome|raised_at)$",
         kind=r"^(raised only in stock|type)$",
         ours=r"^(\(no exception\)|null)$",
     ),

@@ -12,22 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    set_seed,
-)
+from transformers import set_seed
 
-from .observe import (
-    BatchTap,
-    Recorder,
-    error,
-    files,
-    finish,
-    jsonable,
-    metrics,
-    stage,
-    train_output,
-)
+from .observe import error, files, jsonable, metrics, stage
 from .registry import SCENARIOS, Impl, scenario
+from .script import Script, train
 from .workload import (
     CrashAt,
     RegressionModel,
@@ -41,13 +30,10 @@ from .workload import (
 )
 
 
-def resumable_run(
-    impl: Impl, workdir: Path, output_dir: Path, resume: bool | str, crash_at: int | None
-) -> tuple[dict[str, Any], Any, BatchTap]:
+def resumable_run(impl: Impl, workdir: Path, output_dir: Path, resume: bool | str, crash_at: int | None) -> Script:
     """max_steps=12 over 6-step epochs, a checkpoint every 4 steps; optionally crashing or resuming."""
     set_seed(0)
     model = RegressionModel()
-    tap = BatchTap(model)
     args = training_args(
         impl,
         workdir,
@@ -57,12 +43,11 @@ def resumable_run(
         per_device_train_batch_size=4,
         warmup_steps=2,
     )
-    trainer = impl.Trainer(model=model, args=args, train_dataset=regression_dataset(24))
+    script = Script(impl, workdir, model, args, regression_dataset(24), tap=True, record=False)
     if crash_at is not None:
-        trainer.add_callback(CrashAt(crash_at))
-    observed: dict[str, Any] = {}
-    stage(observed, "train", lambda: train_output(trainer.train(resume_from_checkpoint=resume or None)))
-    return observed, trainer, tap
+        script.trainer.add_callback(CrashAt(crash_at))
+    script.play(train(resume_from_checkpoint=resume or None))
+    return script
 
 
 def step_logs(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -74,17 +59,17 @@ def resume_and_check(
     impl: Impl, workdir: Path, output_dir: Path, result: dict[str, Any], resume: bool | str = True
 ) -> dict[str, Any]:
     """Resume in ``output_dir``, run the same job uninterrupted, and say whether resuming reproduced it."""
-    full, full_trainer, full_tap = resumable_run(impl, workdir, workdir / "uninterrupted", False, None)
-    result["uninterrupted"] = finish(full, full_trainer, workdir, None, full_tap)
+    full = resumable_run(impl, workdir, workdir / "uninterrupted", False, None)
+    result["uninterrupted"] = full.finish()
     del result["uninterrupted"]["files"]  # all files are listed once, at the end
-    resumed, resumed_trainer, resumed_tap = resumable_run(impl, workdir, output_dir, resume, None)
-    result["resumed"] = finish(resumed, resumed_trainer, workdir, None, resumed_tap)
+    resumed = resumable_run(impl, workdir, output_dir, resume, None)
+    result["resumed"] = resumed.finish()
     del result["resumed"]["files"]
     result["files"] = files(workdir)
     result["resumed_equals_uninterrupted"] = {
         "weights_bitwise": result["resumed"]["weights"]["sha256"] == result["uninterrupted"]["weights"]["sha256"],
         "step_logs": step_logs(result["resumed"]) == step_logs(result["uninterrupted"]),
-        "batches_after_checkpoint": resumed_tap.train == full_tap.train[8:],
+        "batches_after_checkpoint": resumed.tap.train == full.tap.train[8:],
     }
     return result
 
@@ -92,18 +77,18 @@ def resume_and_check(
 @scenario
 def resume_after_interruption(impl: Impl, workdir: Path) -> dict[str, Any]:
     """Crashed at step 9, resumed with resume_from_checkpoint=True (checkpoint-8) vs the uninterrupted run."""
-    crashed, crashed_trainer, crashed_tap = resumable_run(impl, workdir, workdir / "interrupted", False, 9)
-    crashed["global_step"] = crashed_trainer.state.global_step
-    crashed["batches"] = crashed_tap.summary()
-    crashed["files_after_crash"] = files(workdir / "interrupted")
-    return resume_and_check(impl, workdir, workdir / "interrupted", {"interrupted": crashed})
+    crashed = resumable_run(impl, workdir, workdir / "interrupted", False, 9)
+    interrupted = crashed.result
+    interrupted["global_step"] = crashed.trainer.state.global_step
+    interrupted["batches"] = crashed.tap.summary()
+    interrupted["files_after_crash"] = files(workdir / "interrupted")
+    return resume_and_check(impl, workdir, workdir / "interrupted", {"interrupted": interrupted})
 
 
 def crashed_run(impl: Impl, workdir: Path) -> dict[str, Any]:
     """The first half of resume_across_implementations (run by the other implementation): crash at step 9."""
-    crashed, trainer, _ = resumable_run(impl, workdir, workdir / "interrupted", False, 9)
-    crashed["global_step"] = trainer.state.global_step
-    return crashed
+    crashed = resumable_run(impl, workdir, workdir / "interrupted", False, 9)
+    return {**crashed.result, "global_step": crashed.trainer.state.global_step}
 
 
 SCENARIOS["_crashed_run"] = crashed_run  # a helper process, not a scenario of its own
@@ -141,26 +126,24 @@ def resume_across_implementations_by_path(impl: Impl, workdir: Path) -> dict[str
     )
 
 
+def resume_from_nothing(impl: Impl, workdir: Path, checkpoint: bool | str) -> dict[str, Any]:
+    """A fresh output_dir and train(resume_from_checkpoint=checkpoint) where there is nothing to resume."""
+    set_seed(0)
+    args = training_args(impl, workdir)
+    script = Script(impl, workdir, RegressionModel(), args, regression_dataset(16), record=False)
+    return script.run(train(resume_from_checkpoint=checkpoint))
+
+
 @scenario
 def resume_true_without_checkpoint(impl: Impl, workdir: Path) -> dict[str, Any]:
     """train(resume_from_checkpoint=True) with no checkpoint in output_dir: the exception."""
-    set_seed(0)
-    args = training_args(impl, workdir)
-    trainer = impl.Trainer(model=RegressionModel(), args=args, train_dataset=regression_dataset(16))
-    result: dict[str, Any] = {}
-    stage(result, "train", lambda: train_output(trainer.train(resume_from_checkpoint=True)))
-    return finish(result, trainer, workdir, None, None)
+    return resume_from_nothing(impl, workdir, True)
 
 
 @scenario
 def resume_nonexistent_path(impl: Impl, workdir: Path) -> dict[str, Any]:
     """train(resume_from_checkpoint="/nonexistent"): the exception."""
-    set_seed(0)
-    args = training_args(impl, workdir)
-    trainer = impl.Trainer(model=RegressionModel(), args=args, train_dataset=regression_dataset(16))
-    result: dict[str, Any] = {}
-    stage(result, "train", lambda: train_output(trainer.train(resume_from_checkpoint="/nonexistent")))
-    return finish(result, trainer, workdir, None, None)
+    return resume_from_nothing(impl, workdir, "/nonexistent")
 
 
 @scenario
@@ -170,11 +153,7 @@ def files_without_save_model(impl: Impl, workdir: Path) -> dict[str, Any]:
     args = training_args(
         impl, workdir, save_strategy="epoch", per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=2
     )
-    trainer = impl.Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(12))
-    recorder = Recorder(trainer)
-    result: dict[str, Any] = {}
-    stage(result, "train", lambda: train_output(trainer.train()))
-    result = finish(result, trainer, workdir, recorder, None)
+    result = Script(impl, workdir, tiny_llama(), args, token_dataset(12)).run(train())
     by_folder: dict[str, list[str]] = {}
     for name in result["files"]:
         folder, _, rest = name.rpartition("/")
@@ -191,11 +170,7 @@ def save_only_model(impl: Impl, workdir: Path) -> dict[str, Any]:
     """save_only_model=True with a checkpoint every epoch: the files of each checkpoint."""
     set_seed(0)
     args = training_args(impl, workdir, save_only_model=True, save_strategy="epoch", save_total_limit=1)
-    trainer = impl.Trainer(model=RegressionModel(), args=args, train_dataset=regression_dataset(24))
-    recorder = Recorder(trainer)
-    result: dict[str, Any] = {}
-    stage(result, "train", lambda: train_output(trainer.train()))
-    return finish(result, trainer, workdir, recorder, None)
+    return Script(impl, workdir, RegressionModel(), args, regression_dataset(24)).run(train())
 
 
 @scenario
@@ -205,10 +180,8 @@ def example_script_tail(impl: Impl, workdir: Path) -> dict[str, Any]:
     args = training_args(
         impl, workdir, per_device_train_batch_size=4, learning_rate=1e-3, save_strategy="no", num_train_epochs=1
     )
-    trainer = impl.Trainer(
-        model=tiny_llama(), args=args, train_dataset=token_dataset(12), eval_dataset=token_dataset(6, first_id=30)
-    )
-    recorder = Recorder(trainer)
+    script = Script(impl, workdir, tiny_llama(), args, token_dataset(12), token_dataset(6, first_id=30))
+    trainer = script.trainer
     train_result = trainer.train()
     trainer.save_model()
     train_metrics = train_result.metrics
@@ -221,7 +194,7 @@ def example_script_tail(impl: Impl, workdir: Path) -> dict[str, Any]:
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
     out = workdir / "out"
-    result: dict[str, Any] = {
+    script.result |= {
         "all_results": metrics(json.loads((out / "all_results.json").read_text())),
         "trainer_state": trainer_state(out / "trainer_state.json"),
         "config": {
@@ -229,7 +202,7 @@ def example_script_tail(impl: Impl, workdir: Path) -> dict[str, Any]:
         },
         "training_args_bin": pickled_class(out / "training_args.bin"),
     }
-    return finish(result, trainer, workdir, recorder, None)
+    return script.finish()
 
 
 @scenario
@@ -237,15 +210,14 @@ def default_trainer_args(impl: Impl, workdir: Path) -> dict[str, Any]:
     """Trainer(model, train_dataset=...) with no TrainingArguments, run from the working directory."""
     os.chdir(workdir)
     set_seed(0)
-    trainer = impl.Trainer(model=RegressionModel(), train_dataset=regression_dataset(24))
-    recorder = Recorder(trainer)
-    result: dict[str, Any] = {
-        "output_dir": trainer.args.output_dir,
-        "args_type": type(trainer.args).__name__,
-        "learning_rate": trainer.args.learning_rate,
+    script = Script(impl, workdir, RegressionModel(), train_dataset=regression_dataset(24))
+    trainer_args = script.trainer.args
+    script.result |= {
+        "output_dir": trainer_args.output_dir,
+        "args_type": type(trainer_args).__name__,
+        "learning_rate": trainer_args.learning_rate,
     }
-    stage(result, "train", lambda: train_output(trainer.train()))
-    return finish(result, trainer, workdir, recorder, None)
+    return script.run(train())
 
 
 @scenario

@@ -104,17 +104,13 @@ class RegressionStream(IterableDataset):
             yield {"x": self.x[i], "labels": self.y[i], "idx": self.first_id + i}
 
 
+# The dimensions both tiny transformers share: two layers of width 32 over a vocabulary of 64 tokens.
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
 def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
+    """A 2-layer LlamaForCausalLM from a config (random weights: seed first)."""
+    return LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=2, max_position_embeddings=64))
 
 
 def token_dataset(
@@ -135,16 +131,8 @@ def token_dataset(
 
 
 def tiny_bert() -> BertForSequenceClassification:
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        num_labels=3,
-    )
-    return BertForSequenceClassification(config)
+    """A 2-layer BertForSequenceClassification with 3 labels, from a config (random weights: seed first)."""
+    return BertForSequenceClassification(BertConfig(**TINY, max_position_embeddings=32, num_labels=3))
 
 
 def classification_dataset(n: int, first_id: int = 0, seed: int = 0) -> datasets.Dataset:
