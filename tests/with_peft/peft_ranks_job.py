@@ -28,7 +28,7 @@ def lora_parity_job(out: Path, per_device_batch: int) -> Trainer:
     """8 optimizer steps of a global batch of 4 samples, whatever the world size."""
     trainer = Trainer(
         model=lora_llama(0),
-        args=make_args(out, per_device_train_batch_size=per_device_batch, max_steps=8),
+        args=make_args(out, per_device_train_batch_size=per_device_batch, max_steps=8, save_final_model=True),
         train_dataset=lm_dataset(32),
     )
     trainer.train()

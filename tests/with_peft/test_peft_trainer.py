@@ -34,10 +34,10 @@ def test_only_the_adapter_trains_and_every_save_is_the_adapter_that_reloads(tmp_
     assert initial_base.keys() == tiny_llama(0).state_dict().keys()
     trainer = Trainer(
         model=model,
-        args=make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2),
+        args=make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_final_model=True),
         train_dataset=lm_dataset(16),
     )
-    saver = next(c for c in trainer.callback_handler.callbacks if isinstance(c, UnwrapAndSaveCallback))
+    saver = trainer.callback_handler.duty(UnwrapAndSaveCallback)
     trainer.train()
     trained = trainer.model
     assert all("lora_" in name for name, p in trained.named_parameters() if p.requires_grad)
@@ -115,7 +115,8 @@ def test_every_adapter_is_saved_and_checked_in_its_own_folder(tmp_path: Path) ->
     """peft writes an adapter not named ``default`` (and each extra one) to a sub-folder of its name."""
     model = lora_llama(0, adapter_name="mine")
     model.add_adapter("second", lora_config())
-    trainer = Trainer(model=model, args=make_args(tmp_path, max_steps=2), train_dataset=lm_dataset(4))
+    args = make_args(tmp_path, max_steps=2, save_final_model=True)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(4))
     trainer.train()
     for name in ("mine", "second"):
         assert ADAPTER_FILES <= _files(tmp_path / name), name
@@ -134,7 +135,7 @@ def test_an_adapter_added_through_transformers_is_trained_saved_and_reloaded(tmp
     initial = {k: v.clone() for k, v in model.get_adapter_state_dict().items()}
     trainer = Trainer(
         model=model,
-        args=make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2),
+        args=make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, save_final_model=True),
         train_dataset=lm_dataset(16),
     )
     trainer.train()
