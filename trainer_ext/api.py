@@ -131,7 +131,7 @@ def _as_job_arguments(args: TrainJobArguments | Mapping[str, Any] | Sequence[str
     if isinstance(args, Mapping):
         return job_arguments_from_dict(args)
     if isinstance(args, Sequence) and not isinstance(args, (str, bytes)):
-        from .cli.parsing import parse_train_args
+        from .flags import parse_train_args
 
         return parse_train_args(args)
     raise TypeError(f"train() takes TrainJobArguments, a dict or a list of flags, not {type(args).__name__}")

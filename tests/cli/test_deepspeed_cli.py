@@ -15,7 +15,7 @@ import pytest
 import trainer_ext.training_args
 from trainer_ext.cli.launch import prepare
 from trainer_ext.cli.main import main
-from trainer_ext.cli.parsing import parse_train_args
+from trainer_ext.flags import parse_train_args
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 ZERO2 = str(PRESETS / "zero2.json")

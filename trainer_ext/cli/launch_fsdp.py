@@ -104,9 +104,9 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
 
 def preview_fsdp(s: Settings, user_args: Sequence[str], train_args: Sequence[str]) -> FSDPPreview | None:
     """The FSDP settings ``train_args`` give ``train`` on ``s.world_size`` processes; None without ``--fsdp``."""
+    from ..flags import parse_train_values
     from ..training_args import _fsdp_requested
     from .launch_train_args import train_flags_set, train_sources
-    from .parsing import parse_train_values
 
     if not {"fsdp", "fsdp_config"} & train_flags_set(train_args):
         return None

@@ -169,7 +169,7 @@ def preview_deepspeed(s: Settings, user_args: Sequence[str], train_args: Sequenc
         return None
     from ..arguments import AUTO_DEFAULTS
     from ..dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, auto_keys
-    from .parsing import parse_train_values
+    from ..flags import parse_train_values
 
     values = parse_train_values(train_args)[0]  # unknown flags are left for train to report
     if not values.get("deepspeed"):

@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command] = {
 def run_train(argv: Sequence[str]) -> int:
     """``trainer-ext train``: parse flags and config files, run the job, report where the model went."""
     from ..api import train
-    from .parsing import parse_train_args
+    from ..flags import parse_train_args
 
     args = parse_train_args(argv)
     is_main = args.process_index == 0

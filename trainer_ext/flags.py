@@ -1,4 +1,4 @@
-"""Turn ``trainer-ext train`` arguments into TrainJobArguments: config files first, command line over them.
+"""Flags and config files into TrainJobArguments, below the CLI that calls it: files first, flags over them.
 
 Precedence, lowest to highest: transformers' defaults < our automatic defaults (see
 ``trainer_ext.arguments.AUTO_DEFAULTS``) < ``--config`` files in the order given < command-line flags.
@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from ..arguments import TrainJobArguments, field_names, normalize_keys
-from ..errors import ConfigError, closest, did_you_mean
+from .arguments import TrainJobArguments, field_names, normalize_keys
+from .errors import ConfigError, closest, did_you_mean
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
