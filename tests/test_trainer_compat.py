@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_trainer_dropin import Regression, Rows, Stream
+from test_trainer_dropin import _args as dropin_args
 from transformers import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
@@ -28,20 +29,8 @@ from trainer_ext import Trainer, TrainingArguments
 
 
 def _args(out: Path, **overrides) -> TrainingArguments:
-    base = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=8,
-        learning_rate=0.05,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-    )
-    base.update(overrides)
-    return TrainingArguments(**base)
+    """The drop-in tests' arguments, logging every step and saving nothing unless asked."""
+    return dropin_args(out, **{"logging_steps": 1, "save_strategy": "no", **overrides})
 
 
 def _names(trainer: Trainer) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from split_dispatch_job import Regression, RegressionStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import BatchEncoding
 
@@ -338,29 +338,6 @@ def test_engine_exposes_and_applies_the_options() -> None:
     loader = engine.prepare_dataloader(DataLoader(Indices(10), batch_size=4))
     assert loader.batch_sampler.split_batches and not loader.batch_sampler.even_batches
     assert loader.total_batch_size == 4
-
-
-class Regression(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-        self.config = None
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        out = self.lin(x).squeeze(-1)
-        loss = ((out - labels) ** 2).mean() if labels is not None else None
-        return {"loss": loss, "logits": out}
-
-
-class RegressionStream(IterableDataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(0)
-        for i in range(self.n):
-            x = torch.randn(4, generator=g)
-            yield {"x": x, "labels": x.sum() * 0.5 + i * 0.01}
 
 
 @pytest.mark.timeout(60)

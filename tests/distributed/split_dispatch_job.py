@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jobs import make_args  # noqa: E402
 from tiny import lm_dataset, tiny_llama  # noqa: E402
 
-from trainer_ext import Trainer, TrainingArguments  # noqa: E402
+from trainer_ext import Trainer  # noqa: E402
 from trainer_ext.dist import DistState, Engine, skip_first_batches  # noqa: E402
 from trainer_ext.dist.collectives import gather_object  # noqa: E402
 from trainer_ext.errors import ConfigError  # noqa: E402
@@ -135,22 +136,6 @@ def error_job() -> list[str]:
     except ConfigError as error:
         message = str(error)
     return gather_object([message])
-
-
-def make_args(out: Path | str, **overrides) -> TrainingArguments:
-    base = dict(
-        output_dir=str(out),
-        learning_rate=1e-2,
-        weight_decay=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    base.update(overrides)
-    return TrainingArguments(**base)
 
 
 class TokenStream(IterableDataset):
