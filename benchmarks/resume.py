@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from trainer_ext.dist.accumulation import GradientState  # noqa: E402
-from trainer_ext.dist.data import shard_dataloader, skip_first_batches  # noqa: E402
+from trainer_ext.distributed.accumulation import GradientState  # noqa: E402
+from trainer_ext.distributed.data import shard_dataloader, skip_first_batches  # noqa: E402
 
 
 class Indices(torch.utils.data.Dataset):

@@ -18,8 +18,8 @@ import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
 
 from trainer_ext import Trainer, TrainingArguments, _compat
-from trainer_ext.dist.accumulation import GradientState
-from trainer_ext.dist.data import ShardedDataLoader, shard_dataloader
+from trainer_ext.distributed.accumulation import GradientState
+from trainer_ext.distributed.data import ShardedDataLoader, shard_dataloader
 
 pytestmark = pytest.mark.compat
 

@@ -14,7 +14,7 @@ from transformers import BertConfig, BertForSequenceClassification, TrainerCallb
 
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.callbacks.run_summary import run_summary
-from trainer_ext.dist.precision import Precision, upcast_half_trainable
+from trainer_ext.distributed.precision import Precision, upcast_half_trainable
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,9 +18,9 @@ import torch
 import transformers
 from packaging.version import Version
 
-from .dist.data import skip_first_batches as _our_skip_first_batches
-from .dist.state import DistributedType
-from .dist.tracking import TrackedIteration
+from .distributed.data import skip_first_batches as _our_skip_first_batches
+from .distributed.state import DistributedType
+from .distributed.tracking import TrackedIteration
 
 SUPPORTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))
 

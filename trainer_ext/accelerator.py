@@ -19,15 +19,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from .checkpointing.marker import COMPLETE
-from .dist import checkpoint
-from .dist.data import skip_first_batches as _skip_first_batches
-from .dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
-from .dist.engine import Engine
-from .dist.fsdp_config import FSDPSettings, parse_fsdp
-from .dist.rules import check_precision
-from .dist.sharded_checkpoint import export_consolidated
-from .dist.state import DistributedType, DistState
-from .dist.strategies.fsdp import is_sharded
+from .distributed import checkpoint
+from .distributed.data import skip_first_batches as _skip_first_batches
+from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
+from .distributed.engine import Engine
+from .distributed.fsdp_config import FSDPSettings, parse_fsdp
+from .distributed.rules import check_precision
+from .distributed.sharded_checkpoint import export_consolidated
+from .distributed.state import DistributedType, DistState
+from .distributed.strategies.fsdp import is_sharded
 from .errors import ConfigError
 from .trackers import TRACKERS, BlankTracker, Tracker, resolve_trackers
 

@@ -1,4 +1,4 @@
-"""``Trainer``: transformers' Trainer with our :class:`~trainer_ext.dist.Engine` as ``self.accelerator``.
+"""``Trainer``: transformers' Trainer with our :class:`~trainer_ext.distributed.Engine` as ``self.accelerator``.
 
 Everything else — the training loop, gradient accumulation, logging, checkpoints, resume — is
 transformers' own code; the engine answers the calls it makes to its accelerator.
@@ -22,7 +22,7 @@ from .callbacks.duties import DutyCallbackHandler
 from .callbacks.run_summary import RunSummaryCallback
 from .checkpointing import CheckpointingMixin
 from .checkpointing.sharded_mixin import ShardedCheckpointMixin
-from .dist.engine import Engine
+from .distributed.engine import Engine
 from .errors import ConfigError
 from .training_args import TrainingArguments
 

@@ -1,7 +1,7 @@
-"""``TrainingArguments`` whose devices and distributed state come from :mod:`trainer_ext.dist`.
+"""``TrainingArguments`` whose devices and distributed state come from :mod:`trainer_ext.distributed`.
 
 Every transformers flag is accepted unchanged. Only device set-up is replaced: the process group is
-started by our :class:`~trainer_ext.dist.DistState` (gloo on CPU, NCCL on CUDA, ``ddp_timeout``).
+started by our :class:`~trainer_ext.distributed.DistState` (gloo on CPU, NCCL on CUDA, ``ddp_timeout``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import transformers
 from transformers.training_args import ParallelMode
 
 from . import _compat
-from .dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, register_with_transformers
-from .dist.fsdp_config import normalized_config, parse_fsdp
-from .dist.rules import check_precision, check_world
-from .dist.state import DistributedType, DistState
-from .dist.strategies.deepspeed import DeepSpeedStrategy
+from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, register_with_transformers
+from .distributed.fsdp_config import normalized_config, parse_fsdp
+from .distributed.rules import check_precision, check_world
+from .distributed.state import DistributedType, DistState
+from .distributed.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
 
 _compat.install()

@@ -17,8 +17,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallb
 from trainer_ext import Trainer
 from trainer_ext.callbacks import SavedModelMismatchError, UnwrapAndSaveCallback
 from trainer_ext.callbacks.unwrap_and_save import save_unwrapped, verify_saved_model
-from trainer_ext.dist.engine import Engine
-from trainer_ext.dist.state import DistState
+from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.state import DistState
 
 
 def _keys(path: Path) -> set[str]:

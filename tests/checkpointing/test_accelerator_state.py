@@ -12,7 +12,7 @@ from tiny import lm_dataset, tiny_llama
 
 from trainer_ext import Accelerator
 from trainer_ext.checkpointing import COMPLETE
-from trainer_ext.dist import checkpoint
+from trainer_ext.distributed import checkpoint
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, CheckpointError, newest_complete, verify, write_marker
 from trainer_ext.checkpointing.marker import check_deepspeed_file
-from trainer_ext.dist import sharded_checkpoint
-from trainer_ext.dist.safe_dcp import UnsafeCheckpointError, load_metadata
+from trainer_ext.distributed import sharded_checkpoint
+from trainer_ext.distributed.safe_dcp import UnsafeCheckpointError, load_metadata
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer_ext.dist.engine import Engine
-from trainer_ext.dist.state import DistState
+from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.state import DistState
 
 VARIABLES = (
     "RANK",

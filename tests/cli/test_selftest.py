@@ -11,7 +11,7 @@ import pytest
 
 from trainer_ext.cli.main import main
 from trainer_ext.cli.selftest_worker import CHECKS, diagnose, run_checks
-from trainer_ext.dist.state import DistState, Topology
+from trainer_ext.distributed.state import DistState, Topology
 
 
 def test_every_check_passes_in_one_process(capsys):

@@ -25,15 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tiny import lm_dataset, tiny_llama  # noqa: E402
 
-from trainer_ext.dist import DistState  # noqa: E402
-from trainer_ext.dist.deepspeed_config import (  # noqa: E402
+from trainer_ext.distributed import DistState  # noqa: E402
+from trainer_ext.distributed.deepspeed_config import (  # noqa: E402
     DeepSpeedInputs,
     finalize,
     load_deepspeed_config,
     model_hidden_size,
     resolve_auto,
 )
-from trainer_ext.dist.strategies.deepspeed import DeepSpeedStrategy, check_complete  # noqa: E402
+from trainer_ext.distributed.strategies.deepspeed import DeepSpeedStrategy, check_complete  # noqa: E402
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 STEPS, MICRO, ACCUM, WORLD = 6, 2, 2, 2

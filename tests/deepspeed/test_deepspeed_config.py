@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_ext.dist.deepspeed_config import (
+from trainer_ext.distributed.deepspeed_config import (
     DeepSpeedConfig,
     DeepSpeedInputs,
     check_resolved,
@@ -361,8 +361,8 @@ def test_register_toggles_is_deepspeed_zero3_enabled(hf_registry) -> None:
 
 # -- the strategy's parts that need no deepspeed ----------------------------------------------------
 def test_strategy_without_deepspeed_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer_ext.dist.strategies.deepspeed as ds_strategy
-    from trainer_ext.dist import DistState
+    import trainer_ext.distributed.strategies.deepspeed as ds_strategy
+    from trainer_ext.distributed import DistState
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     strategy = ds_strategy.DeepSpeedStrategy(DistState(cpu=True, init=False), {"zero_optimization": {"stage": 2}})
@@ -374,14 +374,14 @@ def test_strategy_without_deepspeed_says_which_extra(monkeypatch: pytest.MonkeyP
 def test_importing_the_strategy_does_not_import_deepspeed() -> None:
     import subprocess
 
-    code = "import sys, trainer_ext.dist.strategies.deepspeed; print('deepspeed' in sys.modules)"
+    code = "import sys, trainer_ext.distributed.strategies.deepspeed; print('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == "False"
 
 
 def test_strategy_refuses_unresolved_config_and_double_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer_ext.dist import DistState
-    from trainer_ext.dist.strategies.deepspeed import DeepSpeedStrategy
+    from trainer_ext.distributed import DistState
+    from trainer_ext.distributed.strategies.deepspeed import DeepSpeedStrategy
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -396,7 +396,7 @@ def test_strategy_refuses_unresolved_config_and_double_optimizer(monkeypatch: py
 def test_consolidation_check_refuses_empty_and_partial_state_dicts() -> None:
     from tiny import tiny_llama
 
-    from trainer_ext.dist.strategies.deepspeed import ConsolidationError, check_complete
+    from trainer_ext.distributed.strategies.deepspeed import ConsolidationError, check_complete
 
     model = tiny_llama(0)
     full = model.state_dict()

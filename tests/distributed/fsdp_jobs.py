@@ -25,7 +25,7 @@ from jobs import StopAt, make_args  # noqa: E402
 from tiny import lm_dataset, tiny_llama  # noqa: E402
 
 from trainer_ext import Trainer  # noqa: E402
-from trainer_ext.dist.sharded_checkpoint import full_state_dict  # noqa: E402
+from trainer_ext.distributed.sharded_checkpoint import full_state_dict  # noqa: E402
 
 STEPS_DATA = 32  # samples: 8 optimizer steps of a global batch of 4 per epoch, 2 epochs
 STOP = 6
@@ -230,7 +230,7 @@ def hybrid(out: Path) -> None:
 
     One machine here, so replicate_size (default: the number of machines) is set to 2 explicitly.
     """
-    from trainer_ext.dist.fsdp_config import read_fsdp_config
+    from trainer_ext.distributed.fsdp_config import read_fsdp_config
 
     path = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "hybrid_shard.yaml"
     preset = {**read_fsdp_config(path), "replicate_size": 2}

@@ -25,8 +25,8 @@ from jobs import make_args  # noqa: E402
 from tiny import lm_dataset, tiny_llama  # noqa: E402
 
 from trainer_ext import Trainer  # noqa: E402
-from trainer_ext.dist import DistState, Engine, skip_first_batches  # noqa: E402
-from trainer_ext.dist.collectives import gather_object  # noqa: E402
+from trainer_ext.distributed import DistState, Engine, skip_first_batches  # noqa: E402
+from trainer_ext.distributed.collectives import gather_object  # noqa: E402
 from trainer_ext.errors import ConfigError  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..dist.optimizer import EngineOptimizer
+from ..distributed.optimizer import EngineOptimizer
 from ._log_entry import add_to_log
 
 logger = logging.getLogger(__name__)

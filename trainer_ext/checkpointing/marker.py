@@ -314,7 +314,7 @@ def check_zip(path: Path) -> None:
 
 def check_dcp_metadata(path: Path) -> None:
     """A DCP folder's ``.metadata`` read through the allow-list, its non-tensor values ``weights_only``."""
-    from ..dist.safe_dcp import UnsafeCheckpointError, check_values, load_metadata
+    from ..distributed.safe_dcp import UnsafeCheckpointError, check_values, load_metadata
 
     try:
         check_values(path.parent, load_metadata(path))

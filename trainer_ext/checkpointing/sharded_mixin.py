@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from ..dist import sharded_checkpoint
-from ..dist.strategies.deepspeed import is_engine
-from ..dist.strategies.fsdp import is_sharded
+from ..distributed import sharded_checkpoint
+from ..distributed.strategies.deepspeed import is_engine
+from ..distributed.strategies.fsdp import is_sharded
 from ..errors import ConfigError
 from .marker import load_deepspeed_file
 

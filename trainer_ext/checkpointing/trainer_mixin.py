@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..callbacks.duties import DutyCallbackHandler
-from ..dist import sharded_checkpoint
+from ..distributed import sharded_checkpoint
 from ..errors import ConfigError
 from . import marker, together
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit

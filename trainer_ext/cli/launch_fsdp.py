@@ -59,7 +59,7 @@ class _Collect(logging.Handler):
 @contextmanager
 def _warnings_into(notes: list[str]) -> Iterator[None]:
     """The FSDP parser's warnings (FSDP1-only keys ignored) become dry-run notes instead of stray log lines."""
-    from ..dist import fsdp_config
+    from ..distributed import fsdp_config
 
     handler = _Collect(notes)
     fsdp_config.logger.addHandler(handler)
@@ -77,8 +77,8 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
     One ConfigError naming ``source`` and every problem: one process (FSDP needs at least 2), each unknown
     key or bad value of the config, ``NO_SHARD``.
     """
-    from ..dist.fsdp_config import parse_fsdp, read_fsdp_config
-    from ..dist.rules import check_world
+    from ..distributed.fsdp_config import parse_fsdp, read_fsdp_config
+    from ..distributed.rules import check_world
 
     notes: list[str] = []
     problems: list[str] = []

@@ -168,7 +168,7 @@ def preview_deepspeed(s: Settings, user_args: Sequence[str], train_args: Sequenc
     if "deepspeed" not in train_flags_set(train_args):
         return None
     from ..arguments import AUTO_DEFAULTS
-    from ..dist.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, auto_keys
+    from ..distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, auto_keys
     from ..flags import parse_train_values
 
     values = parse_train_values(train_args)[0]  # unknown flags are left for train to report

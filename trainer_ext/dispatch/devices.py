@@ -176,7 +176,7 @@ def resolve_max_memory(max_memory: Mapping | None) -> dict[Device, int]:
     if max_memory is not None:
         return parse_max_memory(max_memory)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from ..dist.state import detect_topology
+        from ..distributed.state import detect_topology
 
         topology = detect_topology()
         return default_max_memory(topology.local_rank, topology.local_world_size)

@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 import torch
 
-from trainer_ext.dist import STRATEGIES, DistState, Engine, Topology, resolve_strategy
-from trainer_ext.dist.rules import check_precision, check_world
-from trainer_ext.dist.strategies import DDPStrategy, SingleDeviceStrategy
+from trainer_ext.distributed import STRATEGIES, DistState, Engine, Topology, resolve_strategy
+from trainer_ext.distributed.rules import check_precision, check_world
+from trainer_ext.distributed.strategies import DDPStrategy, SingleDeviceStrategy
 from trainer_ext.errors import ConfigError
 
 CPU = torch.device("cpu")

@@ -216,7 +216,7 @@ class Engine:
         """Shard ``dataloader`` over the processes; its batches move to our device unless placement is off.
 
         ``split_batches``, ``dispatch_batches`` and ``even_batches`` mean what they mean to accelerate (see
-        :func:`~trainer_ext.dist.data.shard_dataloader`); they are read at each call, so setting one between
+        :func:`~trainer_ext.distributed.data.shard_dataloader`); they are read at each call, so setting one between
         two ``prepare`` calls applies to the loaders prepared after.
         """
         place = self.device_placement if device_placement is None else device_placement

@@ -17,15 +17,15 @@ from split_dispatch_job import Regression, RegressionStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import BatchEncoding
 
-from trainer_ext.dist import DistState, Engine, GradientState, ShardedDataLoader, skip_first_batches
-from trainer_ext.dist.batches import allocate, batch_size, describe, join, take
-from trainer_ext.dist.data import (
+from trainer_ext.distributed import DistState, Engine, GradientState, ShardedDataLoader, skip_first_batches
+from trainer_ext.distributed.batches import allocate, batch_size, describe, join, take
+from trainer_ext.distributed.data import (
     DispatchedDataLoader,
     IterableShardLoader,
     TrackedDataLoader,
     shard_dataloader,
 )
-from trainer_ext.dist.split import rank_rows
+from trainer_ext.distributed.split import rank_rows
 from trainer_ext.errors import ConfigError
 
 CPU = torch.device("cpu")

@@ -54,7 +54,7 @@ def is_engine(model: Any) -> bool:
 class DeepSpeedStrategy(Strategy):
     """Runs training through a DeepSpeed engine configured by a resolved DeepSpeed config dict.
 
-    ``config`` must have no ``"auto"`` left (see ``trainer_ext.dist.deepspeed_config``). Options:
+    ``config`` must have no ``"auto"`` left (see ``trainer_ext.distributed.deepspeed_config``). Options:
     ``build_cpu_shm_comm`` (default False): let DeepSpeed compile its shared-memory all-reduce op on CPU,
     which only its tensor-parallel inference uses and which costs a minute of C++ compilation on first use.
     """

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainer_ext.dist import DistributedType, DistState, Engine, EngineOptimizer, ShardedDataLoader, Topology
-from trainer_ext.dist.strategies import DDPStrategy, SingleDeviceStrategy
+from trainer_ext.distributed import DistributedType, DistState, Engine, EngineOptimizer, ShardedDataLoader, Topology
+from trainer_ext.distributed.strategies import DDPStrategy, SingleDeviceStrategy
 
 
 @pytest.fixture

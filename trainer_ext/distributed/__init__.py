@@ -1,4 +1,4 @@
-"""trainer_ext.dist — the distributed-state module that replaces accelerate for the Trainer and loops."""
+"""trainer_ext.distributed — the distributed-state module that replaces accelerate for the Trainer and loops."""
 
 from .accumulation import GradientState
 from .data import BatchSamplerShard, SeedableRandomSampler, ShardedDataLoader, skip_first_batches

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from trainer_ext.dist import collectives as C
+from trainer_ext.distributed import collectives as C
 
 Pair = namedtuple("Pair", ["left", "right"])
 

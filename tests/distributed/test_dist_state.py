@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer_ext.dist import DistributedType, DistState, Topology, detect_topology
-from trainer_ext.dist.state import first_slurm_host
+from trainer_ext.distributed import DistributedType, DistState, Topology, detect_topology
+from trainer_ext.distributed.state import first_slurm_host
 from trainer_ext.errors import ConfigError
 
 TORCHRUN = {

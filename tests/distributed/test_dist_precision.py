@@ -9,7 +9,7 @@ import torch
 from tiny import VOCAB, tiny_llama
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from trainer_ext.dist import Precision
+from trainer_ext.distributed import Precision
 
 CPU = torch.device("cpu")
 

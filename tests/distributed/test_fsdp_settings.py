@@ -11,10 +11,10 @@ from tiny import lm_dataset, tiny_llama
 
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.cli.main import main
-from trainer_ext.dist import sharded_checkpoint
-from trainer_ext.dist.fsdp_config import FSDPSettings, normalized_config, parse_fsdp
-from trainer_ext.dist.state import DistState
-from trainer_ext.dist.strategies.fsdp import FSDPStrategy, checkpoint_forward, layer_classes
+from trainer_ext.distributed import sharded_checkpoint
+from trainer_ext.distributed.fsdp_config import FSDPSettings, normalized_config, parse_fsdp
+from trainer_ext.distributed.state import DistState
+from trainer_ext.distributed.strategies.fsdp import FSDPStrategy, checkpoint_forward, layer_classes
 from trainer_ext.errors import ConfigError
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "fsdp"
