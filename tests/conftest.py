@@ -1,15 +1,24 @@
-"""Shared pytest set-up: the tests import helpers from this folder; no environment leaks between tests."""
+"""Shared pytest set-up: no environment leaks between tests; tests that need CUDA or an extra skip without it.
+
+Helpers import as ``tests.helpers.*`` (the repository root is on sys.path through pytest's ``pythonpath``); no
+folder of this package is ever put on sys.path, so none can shadow an installed package.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
 
-sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "distributed")]
-
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# marker -> (the module its tests need, how to install it). They are skipped where it is not installed; under
+# TRAINER_EXT_REQUIRE_<MODULE>=1 (CI's DeepSpeed step) a module that does not import stops the run instead, since
+# a suite skipped whole would pass silently.
+EXTRAS = {"deepspeed": ("deepspeed", "DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")}
 
 
 @pytest.fixture(autouse=True)
@@ -23,12 +32,32 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests run only where CUDA is present."""
+    """GPU tests run only where CUDA is present; a test marked with an extra runs only where it is installed."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the lent GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (run on the lent GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    for marker, (module, install) in EXTRAS.items():
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if marked and _missing(module, install):
+            skip = pytest.mark.skip(reason=f"needs {module}, which is not installed: {install}")
+            for item in marked:
+                item.add_marker(skip)
+
+
+def _missing(module: str, install: str) -> bool:
+    """Not installed (a cheap look-up); under TRAINER_EXT_REQUIRE_<MODULE>=1 it must import, or the run stops.
+
+    The import is tried in a child process: importing DeepSpeed here would change this process for every test.
+    """
+    required = f"TRAINER_EXT_REQUIRE_{module.upper()}"
+    if os.environ.get(required) != "1":
+        return importlib.util.find_spec(module) is None
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.exit(f"{required}=1 but {module} does not import ({error}); install the extra: {install}", returncode=1)
+    return False

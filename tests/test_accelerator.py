@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jobs
-import loops
 import pytest
 import torch
-from tiny import lm_dataset, tiny_llama
 from transformers import LlamaForCausalLM
 
+from tests.helpers import jobs, loops
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator, Trainer
 from trainer_ext.errors import ConfigError
 from trainer_ext.trackers import TRACKERS

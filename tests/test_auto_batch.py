@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from auto_batch_job import JOBS, Memory, Regressor, Rows
-from launch import run_ranks
 from packaging.version import Version
 from safetensors.torch import load_file
-from tiny import pad_right, ragged_lm_dataset, tiny_llama
 from torch import nn
 
+from tests.distributed.auto_batch_job import JOBS, Memory, Regressor, Rows
+from tests.helpers.ranks import run_ranks
+from tests.helpers.tiny import pad_right, ragged_lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.errors import ConfigError
 
@@ -232,7 +232,11 @@ def test_an_evaluation_oom_names_the_eval_batch(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "flags,match",
     [
-        ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "not supported with --deepspeed"),
+        pytest.param(
+            {"deepspeed": {"zero_optimization": {"stage": 2}}},
+            "not supported with --deepspeed",
+            marks=pytest.mark.deepspeed,  # without deepspeed, --deepspeed is refused before this check
+        ),
         ({"fsdp": "full_shard"}, "not supported with --fsdp .each FSDP forward all-gathers"),
     ],
 )
@@ -266,7 +270,7 @@ def test_two_ranks_shrink_independently(tmp_path: Path) -> None:
     2 ranks x batch 8 x accumulation A == 1 rank x batch 16 x accumulation A (tolerance 1e-6: the all-reduce
     averages in another order).
     """
-    run_ranks(Path(__file__).parent / "distributed" / "auto_batch_job.py", 2, str(tmp_path))
+    run_ranks("tests.distributed.auto_batch_job", 2, str(tmp_path))
     counts = json.loads((tmp_path / "results.json").read_text())
     for job, (_, accumulation, _) in JOBS.items():
         reference = weights(

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import jobs
 import pytest
 import torch
-from tiny import lm_dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import jobs
+from tests.helpers.tiny import lm_dataset
 from trainer_ext import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

@@ -6,12 +6,12 @@ import logging
 import math
 from pathlib import Path
 
-import jobs
 import pytest
 import torch
-from tiny import lm_dataset, tiny_llama
 from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
 
+from tests.helpers import jobs
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.callbacks.run_summary import run_summary
 from trainer_ext.distributed.precision import Precision, upcast_half_trainable

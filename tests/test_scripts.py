@@ -129,12 +129,10 @@ def test_multi_node_script_on_two_machines_equals_one_machine(tmp_path: Path, dd
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("script", ["fsdp.sh", "deepspeed.sh"])
+@pytest.mark.parametrize("script", ["fsdp.sh", pytest.param("deepspeed.sh", marks=pytest.mark.deepspeed)])
 def test_sharded_scripts_train_the_same_job_as_ddp(tmp_path: Path, ddp_run, launch_config, script: str) -> None:
     """scripts/fsdp.sh (FSDP2, full_shard preset) and scripts/deepspeed.sh (ZeRO-2 preset) on 2 CPU ranks: the
     same command as multi_cpu.sh ends with DDP's weights (fp32; measured: FSDP 0.0, DeepSpeed 4e-8)."""
-    if script == "deepspeed.sh":
-        pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
     out = tmp_path / "sharded"
     args = [*COMMON, "--per_device_train_batch_size", "16", "--output_dir", str(out)]
     _run(script, *args, DEVICE="cpu", NPROC="2", launch_config=launch_config)
@@ -144,11 +142,11 @@ def test_sharded_scripts_train_the_same_job_as_ddp(tmp_path: Path, ddp_run, laun
     assert _eval_metrics(out)["eval_accuracy"] == _eval_metrics(ddp_run[0])["eval_accuracy"]
 
 
+@pytest.mark.deepspeed
 @pytest.mark.distributed
 def test_an_accelerate_deepspeed_config_with_inline_keys_trains_the_same_job(tmp_path: Path, ddp_run) -> None:
     """The file `accelerate config` writes for DeepSpeed (zero_stage, offload devices inline, no JSON file) goes
     to `trainer-ext launch --config_file` as it is: ZeRO-2 on 2 CPU ranks ends with DDP's weights."""
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
     accelerate_file = tmp_path / "accelerate_ds.yaml"
     accelerate_file.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"

@@ -8,12 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jobs
 import pytest
 import torch
-from tiny import lm_dataset, tiny_llama
 from transformers import LlamaForCausalLM, TrainerCallback
 
+from tests.helpers import jobs
+from tests.helpers.ranks import child_env
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.errors import ConfigError
 
@@ -214,9 +215,8 @@ _NO_ACCELERATE = textwrap.dedent(
     import sys
 
     sys.modules["accelerate"] = None  # `import accelerate` fails, find_spec says it is not installed
-    sys.path[:0] = [{tests!r}, {tests!r} + '/distributed']
-    import jobs
-    from tiny import lm_dataset, tiny_llama
+    from tests.helpers import jobs
+    from tests.helpers.tiny import lm_dataset, tiny_llama
     from trainer_ext import Trainer
 
     args = jobs.make_args({out!r}, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=2, save_strategy="steps")
@@ -234,8 +234,8 @@ _NO_ACCELERATE = textwrap.dedent(
 @pytest.mark.compat
 def test_full_run_without_accelerate(tmp_path: Path) -> None:
     """Train + eval + save in an interpreter where `import accelerate` fails."""
-    code = _NO_ACCELERATE.format(tests=str(Path(__file__).parent), out=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    code = _NO_ACCELERATE.format(out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "OK" in proc.stdout
     assert (tmp_path / "final" / "model.safetensors").exists()

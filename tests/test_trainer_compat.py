@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_trainer_dropin import Regression, Rows, Stream
-from test_trainer_dropin import _args as dropin_args
 from transformers import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
@@ -25,6 +23,8 @@ from transformers import (
 )
 from transformers.optimization import Adafactor
 
+from tests.test_trainer_dropin import Regression, Rows, Stream
+from tests.test_trainer_dropin import _args as dropin_args
 from trainer_ext import Trainer, TrainingArguments
 
 

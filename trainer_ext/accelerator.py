@@ -18,22 +18,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .checkpointing.marker import COMPLETE
-from .distributed import checkpoint
+from .checkpointing import loop_state as checkpoint
 from .distributed.data import skip_first_batches as _skip_first_batches
-from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .distributed.engine import Engine
 from .distributed.fsdp_config import FSDPSettings, parse_fsdp
 from .distributed.rules import check_precision
-from .distributed.sharded_checkpoint import export_consolidated
 from .distributed.state import DistributedType, DistState
-from .distributed.strategies.fsdp import is_sharded
+from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
+from .env_vars import MIXED_PRECISION as _ENV_PRECISION
 from .errors import ConfigError
 from .trackers import TRACKERS, BlankTracker, Tracker, resolve_trackers
-
-# What `trainer-ext launch` exports for scripts (the launcher's own variables).
-_ENV_PRECISION = "ACCELERATE_MIXED_PRECISION"
-_ENV_ACCUMULATION = "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"
 
 
 class PreparedScheduler:
@@ -102,7 +96,7 @@ class Accelerator:
         if fsdp_config is not None and deepspeed_config is not None:
             raise ConfigError("fsdp_config and deepspeed_config both shard the model; give one")
         if deepspeed_config is not None:  # resolved at prepare(), when the batch size and optimizer are known
-            strategy, options = "deepspeed", {"config": DeepSpeedConfig(deepspeed_config)}
+            strategy, options = "deepspeed", {"config": deepspeed_config}
         elif fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
             settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
             strategy, options = "fsdp", {"settings": settings}
@@ -160,48 +154,28 @@ class Accelerator:
         schedulers = [_is_scheduler(o) for o in objects]
         rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
         places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
-        if self.engine.strategy.joint_prepare:  # DeepSpeed: model and optimizer in one call, config resolved first
-            self._resolve_deepspeed(objects)
+        self._resolve_auto_values(objects)
         prepared = self.engine.prepare(*rest, device_placement=places) if rest else ()
-        self._adopt_optimizers()
         remaining = iter((prepared,) if len(rest) == 1 else prepared)
         out = [self.prepare_scheduler(o) if s else next(remaining) for o, s in zip(objects, schedulers, strict=True)]
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _adopt_optimizers(self) -> None:
-        """Point optimizers prepared before their model (an earlier ``prepare`` call) at its sharded parameters."""
-        for optimizer in self.engine._optimizers:
-            self.engine.strategy.adopt_optimizer(optimizer.optimizer)
-
-    def _resolve_deepspeed(self, objects: tuple[Any, ...]) -> None:
-        """Fill the DeepSpeed config's ``"auto"`` values from what is being prepared (batch size, optimizer)."""
-        config = self.engine.strategy.hf_config
+    def _resolve_auto_values(self, objects: tuple[Any, ...]) -> None:
+        """Let the strategy fill settings left to the loop (DeepSpeed's ``"auto"``) from what is being prepared."""
         loaders = [o for o in objects if isinstance(o, DataLoader)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-        defaults = optimizers[0].defaults if optimizers else {}
-        betas = defaults.get("betas", (0.9, 0.999))
-        config.resolve(
-            DeepSpeedInputs(
-                world_size=self.num_processes,
-                micro_batch_size=(loaders[0].batch_size or 1) if loaders else 1,
-                gradient_accumulation_steps=self.gradient_accumulation_steps,
-                max_grad_norm=self.deepspeed_max_grad_norm,
-                learning_rate=defaults.get("lr", 1e-3),
-                adam_beta1=betas[0],
-                adam_beta2=betas[1],
-                adam_epsilon=defaults.get("eps", 1e-8),
-                weight_decay=defaults.get("weight_decay", 0.0),
-                fp16=self.mixed_precision == "fp16",
-                bf16=self.mixed_precision == "bf16",
-            )
+        self.engine.strategy.resolve_auto_values(
+            micro_batch_size=(loaders[0].batch_size or 1) if loaders else 1,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            max_grad_norm=self.deepspeed_max_grad_norm,
+            optimizer_defaults=optimizers[0].defaults if optimizers else {},
+            mixed_precision=self.mixed_precision,
         )
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        model = self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        self._adopt_optimizers()
-        return model
+        return self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.engine.prepare_optimizer(optimizer)
@@ -342,10 +316,9 @@ class Accelerator:
     ) -> None:
         """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
 
-        All ranks call it; an FSDP-sharded model is gathered one tensor at a time (never whole on one rank).
+        All ranks call it; a sharded model is gathered by its strategy (FSDP: one tensor at a time, never whole on
+        one rank; DeepSpeed ZeRO-3: gathered and checked complete).
         """
-        from .saving import save_model
-
         if not safe_serialization:  # transformers 5 dropped pickled weights from save_pretrained as well
             raise ConfigError(
                 "save_model(safe_serialization=False) is not supported: models are written as safetensors only "
@@ -353,17 +326,7 @@ class Accelerator:
                 "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
             )
 
-        unwrapped = self.unwrap_model(model, keep_torch_compile=False)
-        if self.engine.strategy.joint_prepare:  # DeepSpeed: gathered under ZeRO-3 on every rank, checked whole
-            state = self.engine.get_state_dict(model)
-            if self.is_main_process:
-                save_model(unwrapped, save_directory, max_shard_size=max_shard_size, state_dict=state)
-        elif self.engine.strategy.sharded_checkpoints and is_sharded(unwrapped):
-            export_consolidated(
-                unwrapped, save_directory, max_shard_size=max_shard_size, is_main_process=self.is_main_process
-            )
-        elif self.is_main_process:
-            save_model(unwrapped, save_directory, max_shard_size=max_shard_size)
+        self.engine.export_model(self.unwrap_model(model, keep_torch_compile=False), save_directory, max_shard_size)
         self.wait_for_everyone()
 
     def register_for_checkpointing(self, *objects: Any) -> None:
@@ -375,14 +338,13 @@ class Accelerator:
 
     def _checkpoint_objects(self) -> dict[str, Any]:
         return {
-            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine._models],
-            "optimizers": [o.optimizer for o in self.engine._optimizers],
+            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
+            "optimizers": [o.optimizer for o in self.engine.prepared_optimizers],
             "schedulers": [s.scheduler for s in self._schedulers],
-            "dataloaders": list(self.engine._dataloaders),
+            "dataloaders": self.engine.prepared_dataloaders,
             "scaler": self.scaler,
             "custom": self._custom,
-            "sharded": self.engine.strategy.sharded_checkpoints,
-            "deepspeed": self.engine.strategy if self.engine.strategy.joint_prepare else None,
+            "strategy": self.engine.strategy,
         }
 
     def _checkpoints_root(self, call: str) -> Path:
@@ -408,7 +370,7 @@ class Accelerator:
         Without ``input_dir``: the newest complete checkpoint under ``project_dir/checkpoints``.
         """
         if input_dir is None:
-            input_dir = newest_complete(self._checkpoints_root("load_state()"))
+            input_dir = checkpoint.latest_state(self._checkpoints_root("load_state()"))
         extra = checkpoint.load_state(input_dir, self.state, **self._checkpoint_objects())
         self.step = int(extra.get("accumulation_step", 0))
 
@@ -459,20 +421,3 @@ class Accelerator:
         return self.engine.free_memory(*objects)
 
     clear = free_memory
-
-
-def newest_complete(root: Path) -> Path:
-    """The checkpoint folder under ``root`` committed last (by its ``COMPLETE`` marker); a clear error if none."""
-    found = [d for d in root.iterdir() if (d / COMPLETE).is_file()] if root.is_dir() else []
-    if not found:
-        raise ConfigError(
-            f"load_state(): no complete checkpoint under {str(root)!r}; call save_state() first, or pass the "
-            "checkpoint directory"
-        )
-    newest = max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))
-    # a save interrupted while swapping folders leaves ".NAME.saving" / ".NAME.replaced": load NAME, whose
-    # loader finds that complete copy and says so
-    for suffix in (".saving", ".replaced"):
-        if newest.name.startswith(".") and newest.name.endswith(suffix):
-            return newest.with_name(newest.name[1 : -len(suffix)])
-    return newest

@@ -9,15 +9,13 @@ names. Every failure is a ConfigError, so the CLI can report it in one line.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import yaml
 from transformers import HfArgumentParser
 
 from .arguments import TrainJobArguments, field_names, normalize_keys
+from .config_files import load_mapping
 from .errors import ConfigError, closest, did_you_mean
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -58,24 +56,7 @@ def build_parser(prog: str = "trainer-ext train") -> HfArgumentParser:
 
 def load_config_file(path: str) -> dict[str, Any]:
     """The key/value mapping in a YAML or JSON config file, keys normalised; ConfigError on any problem."""
-    if not path.lower().endswith(CONFIG_SUFFIXES):
-        raise ConfigError(f"--config {path!r}: unsupported file type; use {', '.join(CONFIG_SUFFIXES)}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path!r}: no such file. Check the path.")
-    with open(path, encoding="utf-8") as handle:
-        try:
-            values = json.load(handle) if path.lower().endswith(".json") else yaml.safe_load(handle)
-        except (yaml.YAMLError, json.JSONDecodeError) as error:
-            raise ConfigError(
-                f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                f"{' '.join(str(error).split())}"
-            ) from error
-    if values is None:
-        return {}
-    if not isinstance(values, Mapping):
-        raise ConfigError(
-            f"--config {path!r} must hold a mapping of flag names to values, got {type(values).__name__}"
-        )
+    values = load_mapping(path, "--config", suffixes=CONFIG_SUFFIXES)
     return normalize_keys(values, field_names(), f"config file {path!r}")
 
 

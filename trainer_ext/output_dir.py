@@ -13,9 +13,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 
 from .arguments import TrainJobArguments
+from .checkpointing.marker import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
 from .errors import ConfigError
 
@@ -39,12 +40,6 @@ RUN_ARTIFACTS = (
     "all_results.json",
 )
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
-
-
-def checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """The ``checkpoint-N`` folders in ``directory``, oldest first."""
-    found = [p for p in Path(directory).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1)
 
 
 def read_fingerprint(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -84,7 +79,7 @@ def check(args: TrainJobArguments) -> bool | str | None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {str(out)!r} is a file; pass a directory")
     _check_writable(out)
-    found = checkpoints(out) if out.is_dir() else []
+    found = sorted_checkpoints(out)
     if resume is not None and args.overwrite_output_dir:
         raise ConfigError(
             "--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint would resume from; "
@@ -147,7 +142,7 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
             return
         out = Path(args.output_dir)
         if args.overwrite_output_dir and out.is_dir():
-            for checkpoint in checkpoints(out):
+            for checkpoint in sorted_checkpoints(out):
                 shutil.rmtree(checkpoint)
             for name in RUN_ARTIFACTS:
                 (out / name).unlink(missing_ok=True)

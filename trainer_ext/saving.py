@@ -1,45 +1,118 @@
-"""Save a model as safetensors, sharded above a size, the way ``from_pretrained`` reads it back."""
+"""Save a model as safetensors, sharded above a size, the way ``from_pretrained`` reads it back.
+
+The one sharder (huggingface_hub's ``split_torch_state_dict_into_shards``, which ``save_pretrained`` uses too)
+and the one rule for tied weights (state-dict entries holding the same tensor, saved once under the first name).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from huggingface_hub import get_torch_storage_id, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
-from .errors import ConfigError
+from .values import parse_size
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+if TYPE_CHECKING:
+    from huggingface_hub import StateDictSplit
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_PATTERN = "model{suffix}.safetensors"  # model.safetensors, or model-00001-of-00003.safetensors ...
+# what an earlier save into the same folder may have left (save_torch_state_dict's rule)
+_EARLIER_SAVE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
-def parse_size(size: str | int) -> int:
-    """``"10GB"`` -> 10_000_000_000; ints pass through."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(size))
-    unit = (match.group(2) or "B").upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"cannot read the size {size!r}; write it like '10GB', '500MB' or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[unit])
+# -- tied weights ----------------------------------------------------------------------------------
+def _tie_key(tensor: torch.Tensor) -> Any:
+    """Entries with equal keys hold one tensor. A shard (DTensor, ZeRO-3 partition) or a meta tensor: the same
+    object (``state_dict(keep_vars=True)``); otherwise the same view of the same storage (huggingface_hub's storage
+    id, offset, shape, strides), so distinct views of one flat buffer (DeepSpeed ZeRO-1/2) stay distinct."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none without that module
+    if (dtensor is not None and isinstance(tensor, dtensor)) or hasattr(tensor, "ds_shape"):
+        return id(tensor)
+    if tensor.device.type == "meta":
+        return id(tensor)
+    if tensor.numel() == 0:
+        return None  # nothing stored: never tied
+    try:
+        view = (tensor.storage_offset(), tensor.stride())
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (quantized ...): its storage id says it all
+        view = ()
+    return get_torch_storage_id(tensor), tuple(tensor.shape), *view
+
+
+def tied_groups(state_dict: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names that hold one same tensor (tied weights): groups of two or more, each in state-dict order."""
+    groups: dict[Any, list[str]] = {}
+    for name, tensor in state_dict.items():
+        key = _tie_key(tensor)
+        if key is not None:
+            groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def drop_tied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each tied group under its first name only (safetensors refuses shared storage;
+    ``save_pretrained`` keeps the same name, the tie's source, e.g. ``model.embed_tokens.weight``)."""
+    later = {name for names in tied_groups(state_dict) for name in names[1:]}
+    return {name: tensor for name, tensor in state_dict.items() if name not in later}
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().cpu()
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each storage once (safetensors refuses tied weights), contiguous, on the CPU."""
-    return _unique(model.state_dict())
+    return {name: _on_cpu(tensor) for name, tensor in drop_tied(model.state_dict()).items()}
 
 
-def _unique(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each storage once (the first name), detached, contiguous, on the CPU."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        if tensor.data_ptr() in seen and tensor.numel() > 0:
-            continue
-        seen.add(tensor.data_ptr())
-        out[name] = tensor.detach().contiguous().cpu()
+# -- the sharder -----------------------------------------------------------------------------------
+def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_size: str | int) -> StateDictSplit:
+    """Which file each tensor goes to, file names as ``save_pretrained`` writes them; a tensor bigger than
+    ``max_shard_size`` gets a file of its own. Reads shapes and dtypes only (a sharded tensor is not gathered)."""
+    meta = {name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for name, t in tensors.items()}
+    return split_torch_state_dict_into_shards(
+        meta, filename_pattern=_PATTERN, max_shard_size=parse_size(max_shard_size)
+    )
+
+
+def write_shards(
+    directory: str | os.PathLike,
+    plan: StateDictSplit,
+    tensors_of: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    *,
+    write: bool = True,
+) -> Path:
+    """Write each file of ``plan`` with the CPU tensors ``tensors_of(names)`` returns, then the index if several.
+
+    ``tensors_of`` is called once per file, in the plan's order, whether or not this process ``write``s (it may
+    gather a sharded tensor: a collective), so only one file's tensors are held at a time. The writing process
+    first removes what an earlier save left in the folder (``model*.safetensors`` and index), as
+    ``save_pretrained`` does, so no stale shard or index is read back.
+    """
+    out = Path(directory)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        for path in out.iterdir():
+            if path.is_file() and _EARLIER_SAVE.fullmatch(path.name):
+                path.unlink()
+    for filename, names in plan.filename_to_tensors.items():
+        tensors = tensors_of(names)
+        if write:
+            save_file(dict(tensors), str(out / filename), metadata={"format": "pt"})
+        del tensors
+    if write and plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -55,29 +128,9 @@ def save_model(
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    limit = parse_size(max_shard_size)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out, max_shard_size=limit, state_dict=state_dict)
+        model.save_pretrained(out, max_shard_size=parse_size(max_shard_size), state_dict=state_dict)
         return out
-    tensors = unique_state_dict(model) if state_dict is None else _unique(state_dict)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / filename), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, filename))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return out
+    tensors = drop_tied(model.state_dict() if state_dict is None else state_dict)
+    plan = plan_shards(tensors, max_shard_size)
+    return write_shards(out, plan, lambda names: {name: _on_cpu(tensors[name]) for name in names})

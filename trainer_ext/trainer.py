@@ -20,14 +20,14 @@ from .auto_batch import AutoBatchMixin
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.duties import DutyCallbackHandler
 from .callbacks.run_summary import RunSummaryCallback
-from .checkpointing import CheckpointingMixin
-from .checkpointing.sharded_mixin import ShardedCheckpointMixin
 from .distributed.engine import Engine
 from .errors import ConfigError
+from .trainer_checkpoints import CheckpointingMixin
+from .trainer_sharded import ShardedCheckpointMixin
 from .training_args import TrainingArguments
 
 logger = logging.get_logger(__name__)
-_compat.install()
+_compat.check_transformers_version()
 
 
 def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
@@ -58,7 +58,7 @@ _ACCUMULATION_DEFAULTS = {
 
 
 class SteppedByEngine:
-    """A scheduler the DeepSpeed engine steps at each boundary; the Trainer's ``step()`` does nothing."""
+    """A scheduler the backend (DeepSpeed's engine) steps at each boundary; the Trainer's ``step()`` does nothing."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -80,6 +80,7 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
+        _compat.install()  # the accelerate names transformers' training loop reaches, patched in when first needed
         if args is not None and not isinstance(args, TrainingArguments):
             raise ConfigError(
                 f"trainer_ext.Trainer needs trainer_ext.TrainingArguments, got {type(args).__module__}."
@@ -123,12 +124,10 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
     def _prepare_input(self, data: Any) -> Any:
         """Under DeepSpeed, float inputs (pixel values, audio) also take the engine's dtype, as in transformers."""
         data = super()._prepare_input(data)
-        config = getattr(self.args, "hf_deepspeed_config", None)
-        if config is None or not isinstance(data, torch.Tensor) or not torch.is_floating_point(data):
+        if not isinstance(data, torch.Tensor) or not torch.is_floating_point(data):
             return data  # mappings and sequences come back here element by element (transformers recurses)
-        if config.is_auto("fp16.enabled") or config.is_auto("bf16.enabled"):
-            return data  # not resolved yet: nothing has been prepared, the model is still in float32
-        return data.to(config.dtype())
+        dtype = self.accelerator.strategy.input_dtype()
+        return data if dtype is None else data.to(dtype)
 
     def _prepare_for_training(self, max_steps: int, *args: Any, **kwargs: Any) -> Any:
         """Tell the engine the schedule length first: DeepSpeed's ``"auto"`` scheduler values need it."""
@@ -137,9 +136,9 @@ class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transf
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """A scheduler from the DeepSpeed config is stepped by DeepSpeed: the Trainer gets a view that does not step."""
-        engine = getattr(self.accelerator.strategy, "engine", None)
-        if self.lr_scheduler is None and getattr(engine, "lr_scheduler", None) is not None:
-            self.lr_scheduler = SteppedByEngine(engine.lr_scheduler)
+        scheduler = self.accelerator.strategy.backend_scheduler()
+        if self.lr_scheduler is None and scheduler is not None:
+            self.lr_scheduler = SteppedByEngine(scheduler)
             self._created_lr_scheduler = True
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)

@@ -17,13 +17,13 @@ from transformers.training_args import ParallelMode
 
 from . import _compat
 from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, register_with_transformers
-from .distributed.fsdp_config import normalized_config, parse_fsdp
+from .distributed.fsdp_config import fsdp_requested, normalized_config, parse_fsdp
 from .distributed.rules import check_precision, check_world
 from .distributed.state import DistributedType, DistState
 from .distributed.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
 
-_compat.install()
+_compat.check_transformers_version()
 
 
 @dataclass
@@ -102,6 +102,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        _compat.install()  # transformers' argument code reads accelerate names (DistributedType) from here on
         self._refuse_unsupported()
         self._check_values()
         if (
@@ -149,7 +150,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def _process_fsdp_args(self) -> dict | None:
         """Read ``--fsdp``/``--fsdp_config`` (YAML or JSON; transformers' or accelerate's keys) without accelerate."""
-        if not _fsdp_requested(self.fsdp):
+        if not fsdp_requested(self.fsdp):
             self.fsdp = type(self).__dataclass_fields__["fsdp"].default
             return None
         settings = parse_fsdp(self.fsdp, self.fsdp_config)
@@ -165,7 +166,7 @@ class TrainingArguments(transformers.TrainingArguments):
         return settings.to_dict()
 
     def _refuse_unsupported(self) -> None:
-        if self.deepspeed and _fsdp_requested(self.fsdp):
+        if self.deepspeed and fsdp_requested(self.fsdp):
             raise ConfigError(
                 "--fsdp and --deepspeed both shard the model; choose one: FSDP2 (--fsdp --fsdp_config "
                 "configs/fsdp/full_shard.yaml) or DeepSpeed ZeRO (--deepspeed configs/deepspeed/zero3.json)"
@@ -175,7 +176,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 "--deepspeed needs the deepspeed package: pip install 'trainer_ext[deepspeed]' (on a machine "
                 "without CUDA: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]')"
             )
-        if self.auto_find_batch_size and (self.deepspeed or _fsdp_requested(self.fsdp)):
+        if self.auto_find_batch_size and (self.deepspeed or fsdp_requested(self.fsdp)):
             # DeepSpeed fixes its micro-batch and accumulation in its config; FSDP2 all-gathers in every forward, so
             # a rank that alone splits its micro-batch would wait for collectives the others never issue
             why = (
@@ -261,10 +262,3 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.n_gpu > 1:
             return ParallelMode.NOT_DISTRIBUTED
         return ParallelMode.NOT_PARALLEL
-
-
-def _fsdp_requested(value: object) -> bool:
-    """``--fsdp`` given: True, option words or a list; not None/False/""/"false"."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "false", "0", "no", "off")
-    return bool(value)

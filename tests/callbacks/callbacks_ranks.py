@@ -1,8 +1,8 @@
 """Jobs for the callback tests, run on 1 rank in pytest and on 2 gloo ranks under torchrun.
 
-``python callbacks_ranks.py OUT`` (under torchrun) runs, in one launch: a training job with every callback (logging,
-barriers, checks of saves, throughput, a NaN injected on rank 1 only), then a job where rank 1 arrives late at a
-barrier. Each rank writes ``OUT/rank<r>.json``; rank 0 also writes ``OUT/weights.safetensors``.
+``python -m tests.callbacks.callbacks_ranks OUT`` (under torchrun) runs, in one launch: a training job with every
+callback (logging, barriers, checks of saves, throughput, a NaN injected on rank 1 only), then a job where rank 1
+arrives late at a barrier. Each rank writes ``OUT/rank<r>.json``; rank 0 also writes ``OUT/weights.safetensors``.
 """
 
 from __future__ import annotations
@@ -20,16 +20,10 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 from transformers.utils import logging as hf_logging
 
-sys.path[:0] = [
-    str(Path(__file__).resolve().parent.parent),
-    str(Path(__file__).resolve().parent.parent / "distributed"),
-]
-
-from jobs import make_args, weights  # noqa: E402
-from tiny import VOCAB, lm_dataset, tiny_llama  # noqa: E402
-
-from trainer_ext import Trainer  # noqa: E402
-from trainer_ext.callbacks import (  # noqa: E402
+from tests.helpers.jobs import make_args, weights
+from tests.helpers.tiny import VOCAB, lm_dataset, tiny_llama
+from trainer_ext import Trainer
+from trainer_ext.callbacks import (
     BarrierCallback,
     BarrierTimeoutError,
     MainProcessLoggingCallback,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
 
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.callbacks import BarrierCallback
 from trainer_ext.callbacks.barrier import missing_ranks

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
 from transformers import DefaultFlowCallback, PrinterCallback, TrainerCallback
 
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.callbacks import (
     BarrierCallback,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from callbacks_ranks import NAN_PARAMETER, NaNGradientAt, WeightsPerStep
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
 from transformers import TrainerCallback
 
+from tests.callbacks.callbacks_ranks import NAN_PARAMETER, NaNGradientAt, WeightsPerStep
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.callbacks import NaNGuardCallback
 

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import run_ranks
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+from tests.helpers.ranks import run_ranks
 
-HERE = Path(__file__).parent
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     out = tmp_path_factory.mktemp("callbacks")
-    proc = run_ranks(HERE / "callbacks_ranks.py", 2, str(out), timeout=200)
+    proc = run_ranks("tests.callbacks.callbacks_ranks", 2, str(out), timeout=200)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return SimpleNamespace(out=out, stdout=proc.stdout, ranks=ranks)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
 from transformers import TrainerCallback
 
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.callbacks import ThroughputCallback
 from trainer_ext.callbacks.throughput import flops_shape, lookup_peak_flops, matmul_params, training_flops_per_token

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from callbacks_ranks import tiny_tokenizer
-from jobs import make_args
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny import lm_dataset, tiny_llama
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
+from tests.callbacks.callbacks_ranks import tiny_tokenizer
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.callbacks import SavedModelMismatchError, UnwrapAndSaveCallback
 from trainer_ext.callbacks.unwrap_and_save import save_unwrapped, verify_saved_model

@@ -1,8 +1,9 @@
 """A 2-rank training job for the fault-tolerance tests, run with ``trainer-ext launch``.
 
-``python crash_job.py OUT MODE [STRATEGY]`` (STRATEGY ``ddp``, the default, ``fsdp`` or ``deepspeed``): MODE ``full`` trains uninterrupted; ``crash`` SIGKILLs rank 1 at step 5
-in the first attempt only (TORCHELASTIC_RESTART_COUNT=0); ``die`` SIGKILLs rank 1 at step 3 every time;
-``preempt`` sends SIGUSR1 to rank 1 at step 3. Every mode resumes with ``"auto"``; rank 0 writes the
+``trainer-ext launch -m tests.checkpointing.crash_job OUT MODE [STRATEGY]`` (STRATEGY ``ddp``, the default,
+``fsdp`` or ``deepspeed``): MODE ``full`` trains uninterrupted; ``crash`` SIGKILLs rank 1 at step 5 in the first
+attempt only (TORCHELASTIC_RESTART_COUNT=0); ``die`` SIGKILLs rank 1 at step 3 every time; ``preempt`` sends
+SIGUSR1 to rank 1 at step 3. Every mode resumes with ``"auto"``; rank 0 writes the
 final weights and the checkpoint it resumed from.
 """
 
@@ -17,15 +18,10 @@ from pathlib import Path
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-sys.path[:0] = [
-    str(Path(__file__).resolve().parent.parent),
-    str(Path(__file__).resolve().parent.parent / "distributed"),
-]
-
-from jobs import make_args, weights  # noqa: E402
-from tiny import lm_dataset, tiny_llama  # noqa: E402
-
-from trainer_ext import Trainer  # noqa: E402
+from tests.helpers.jobs import make_args, weights
+from tests.helpers.paths import CONFIGS
+from tests.helpers.tiny import lm_dataset, tiny_llama
+from trainer_ext import Trainer
 
 
 class Fault(TrainerCallback):
@@ -44,7 +40,7 @@ class Fault(TrainerCallback):
 STRATEGIES = {
     "ddp": {},
     "fsdp": {"fsdp": True},
-    "deepspeed": {"deepspeed": str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero3.json")},
+    "deepspeed": {"deepspeed": str(CONFIGS / "deepspeed" / "zero3.json")},
 }
 
 

@@ -1,9 +1,9 @@
 """Damaged or mismatched sharded checkpoints on 2 gloo ranks (torchrun), checked by test_sharded_faults.py.
 
-``python fault_jobs.py OUT fsdp``: FSDP2 saves checkpoint-2 and checkpoint-4; the newest is then damaged
-(a truncated shard, then a shard with the same size and changed bytes) and ``resolve_resume("auto")`` must pick
-checkpoint-2 on both ranks and say why; the run then resumes from it to the end. ``python fault_jobs.py OUT
-deepspeed``: ZeRO-3 saves checkpoint-2; a run of another model must be refused. Each rank writes
+``python -m tests.checkpointing.fault_jobs OUT fsdp``: FSDP2 saves checkpoint-2 and checkpoint-4; the newest is
+then damaged (a truncated shard, then a shard with the same size and changed bytes) and ``resolve_resume("auto")``
+must pick checkpoint-2 on both ranks and say why; the run then resumes from it to the end. ``… OUT deepspeed``:
+ZeRO-3 saves checkpoint-2; a run of another model must be refused. Each rank writes
 ``rank<R>.json`` to OUT.
 """
 
@@ -18,18 +18,15 @@ from pathlib import Path
 import torch.distributed as dist
 from transformers import LlamaForCausalLM
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "distributed")]
+from tests.helpers.jobs import StopAt, make_args
+from tests.helpers.paths import CONFIGS
+from tests.helpers.tiny import lm_dataset, tiny_llama
+from trainer_ext import Trainer
+from trainer_ext.errors import ConfigError
 
-from jobs import StopAt, make_args  # noqa: E402
-from tiny import lm_dataset, tiny_llama  # noqa: E402
-
-from trainer_ext import Trainer  # noqa: E402
-from trainer_ext.errors import ConfigError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "fsdp": {"fsdp": True},
-    "deepspeed": {"deepspeed": str(ROOT / "configs" / "deepspeed" / "zero3.json")},
+    "deepspeed": {"deepspeed": str(CONFIGS / "deepspeed" / "zero3.json")},
 }
 
 
@@ -59,7 +56,7 @@ def trainer(out: Path, strategy: str, model=None, **overrides) -> Trainer:
 def resume_choice(out: Path, strategy: str) -> dict:
     """What ``resolve_resume("auto")`` picks on this rank and the warnings it gives."""
     handler = Lines()
-    logger = logging.getLogger("trainer_ext.checkpointing.trainer_mixin")
+    logger = logging.getLogger("trainer_ext.trainer_checkpoints")
     logger.addHandler(handler)
     try:
         chosen = trainer(out, strategy).resolve_resume("auto")

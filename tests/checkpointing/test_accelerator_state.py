@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import lm_dataset, tiny_llama
 
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator
 from trainer_ext.checkpointing import COMPLETE
-from trainer_ext.distributed import checkpoint
+from trainer_ext.checkpointing import loop_state as checkpoint
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

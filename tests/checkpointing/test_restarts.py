@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.ranks import child_env
 from trainer_ext.checkpointing import COMPLETE
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
-JOB = Path(__file__).with_name("crash_job.py")
+JOB = "tests.checkpointing.crash_job"
 
 
 def _launch(
@@ -25,25 +26,21 @@ def _launch(
 ) -> tuple[subprocess.CompletedProcess, float]:
     # torch reuses the rendezvous store across restarts: stale gloo addresses of the killed attempt make
     # the restarted ranks fail to connect now and then; a store per attempt avoids it
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")  # the launcher sets what restarts need
+    # the launcher sets what restarts need; the repository root on PYTHONPATH lets `-m JOB` import tests.helpers
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    cmd = ["trainer-ext", "launch", "--num_processes", "2", "--cpu", *launch_flags, str(JOB), str(out), mode, strategy]
+    launch = ["trainer-ext", "launch", "--num_processes", "2", "--cpu", *launch_flags]
+    cmd = [*launch, "-m", JOB, str(out), mode, strategy]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     return proc, time.monotonic() - start
 
 
-STRATEGIES = ["ddp", "fsdp", "deepspeed"]
-
-
-def _skip_without(strategy: str) -> None:
-    if strategy == "deepspeed":
-        pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
+STRATEGIES = ["ddp", "fsdp", pytest.param("deepspeed", marks=pytest.mark.deepspeed)]
 
 
 @pytest.fixture(scope="module", params=STRATEGIES)
 def uninterrupted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
-    _skip_without(request.param)
     out = tmp_path_factory.mktemp(f"full_{request.param}")
     proc, _ = _launch(out, "full", strategy=request.param)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -69,7 +66,6 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(tmp_path: Path, 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_dead_rank_without_restarts_ends_the_job_naming_it(tmp_path: Path, strategy: str) -> None:
-    _skip_without(strategy)
     proc, seconds = _launch(tmp_path, "die", strategy=strategy)
     print(f"dead-rank test wall time ({strategy}): {seconds:.1f}s")
     assert proc.returncode != 0
@@ -80,7 +76,6 @@ def test_a_dead_rank_without_restarts_ends_the_job_naming_it(tmp_path: Path, str
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_signal_on_one_rank_makes_every_rank_save_and_exit_75(tmp_path: Path, strategy: str) -> None:
-    _skip_without(strategy)
     proc, _ = _launch(tmp_path, "preempt", strategy=strategy)
     assert proc.returncode == 75, proc.stderr[-5000:]
     body = json.loads((tmp_path / "checkpoint-3" / COMPLETE).read_text())

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, CheckpointError, newest_complete, verify, write_marker
+from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.checkpointing.marker import check_deepspeed_file
-from trainer_ext.distributed import sharded_checkpoint
-from trainer_ext.distributed.safe_dcp import UnsafeCheckpointError, load_metadata
+from trainer_ext.checkpointing.safe_dcp import UnsafeCheckpointError, load_metadata
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import StopAt, make_args
-from tiny import lm_dataset, tiny_llama
 
+from tests.helpers.jobs import StopAt, make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator, Trainer
 from trainer_ext.checkpointing import COMPLETE
 

@@ -7,16 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
-from jobs import make_args
-from launch import run_ranks
-from tiny import lm_dataset, tiny_llama
 
+from tests.helpers.jobs import make_args
+from tests.helpers.ranks import run_ranks
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE
 from trainer_ext.errors import ConfigError
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(400)]
-JOB = Path(__file__).with_name("fault_jobs.py")
+JOB = "tests.checkpointing.fault_jobs"
 
 
 def _run(out: Path, mode: str) -> list[dict]:
@@ -52,11 +52,11 @@ def test_the_run_resumes_from_the_fallback_to_the_end(fsdp_run: list[dict]) -> N
 
 @pytest.fixture(scope="module")
 def deepspeed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install 'trainer_ext[deepspeed]'")
     out = tmp_path_factory.mktemp("deepspeed_faults")
     return out, _run(out, "deepspeed")
 
 
+@pytest.mark.deepspeed
 def test_a_deepspeed_checkpoint_of_another_model_is_refused(deepspeed_run: tuple[Path, list[dict]]) -> None:
     _, ranks = deepspeed_run
     for rank in ranks:
@@ -65,6 +65,7 @@ def test_a_deepspeed_checkpoint_of_another_model_is_refused(deepspeed_run: tuple
         assert "model.layers.0.mlp.down_proj.weight [32, 64] vs [32, 80]" in rank["refused"]
 
 
+@pytest.mark.deepspeed
 def test_a_deepspeed_checkpoint_resumes_only_on_its_world_size(deepspeed_run: tuple[Path, list[dict]]) -> None:
     out, _ = deepspeed_run
     folder = out / "checkpoint-2"

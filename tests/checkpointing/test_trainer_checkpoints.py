@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import StopAt, make_args, weights
-from tiny import lm_dataset, tiny_llama
 from transformers import TrainerCallback
 
+from tests.helpers.jobs import StopAt, make_args, weights
+from tests.helpers.ranks import child_env
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, Preempted, newest_complete
 from trainer_ext.errors import ConfigError
@@ -225,10 +226,9 @@ def test_an_output_dir_that_cannot_be_written_is_refused_up_front(tmp_path: Path
 
 
 _WORKERS_JOB = """
-import os, signal, sys
-sys.path[:0] = [{tests!r}, {tests!r} + "/distributed"]
-from jobs import make_args
-from tiny import lm_dataset, tiny_llama
+import os, signal
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
 from transformers import TrainerCallback
 from trainer_ext import Trainer
 
@@ -253,9 +253,14 @@ def test_preemption_with_data_loader_workers_saves_before_they_go(tmp_path: Path
     import subprocess
     import sys
 
-    code = _WORKERS_JOB.format(tests=str(Path(__file__).resolve().parents[1]), out=str(tmp_path))
+    code = _WORKERS_JOB.format(out=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, start_new_session=True
+        [sys.executable, "-c", code],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        start_new_session=True,
     )
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert (tmp_path / "checkpoint-4" / COMPLETE).is_file()

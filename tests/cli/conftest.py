@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_ext.cli import launch_settings
+from trainer_ext.cli.launch import settings as launch_settings
 
 
 @pytest.fixture(autouse=True)

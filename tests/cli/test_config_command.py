@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer_ext.cli.launch_config import read_config_file
+from trainer_ext.cli.launch.config_file import read_config_file
 from trainer_ext.cli.main import main
 
 DEFAULT = Path(".cache") / "trainer_ext" / "default_config.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from trainer_ext.cli.launch import prepare
-from trainer_ext.cli.launch_config import IGNORED_KEYS, find_config_file, read_config_file
+from trainer_ext.cli.launch.config_file import IGNORED_KEYS, find_config_file, read_config_file
 
 # What `accelerate config` writes for two CPU machines (accelerate 1.x), field for field.
 ACCELERATE_MULTI_CPU = """\
@@ -160,7 +160,7 @@ def test_every_bad_key_and_value_is_collected(tmp_path):
 
 def test_unreadable_and_odd_files(tmp_path):
     assert "no such file" in read_config_file(tmp_path / "missing.yaml").problems[0]
-    assert "cannot be read" in read_config_file(write(tmp_path / "x.yaml", "a: [")).problems[0]
+    assert "is not valid YAML" in read_config_file(write(tmp_path / "x.yaml", "a: [")).problems[0]
     assert "must hold a mapping" in read_config_file(write(tmp_path / "y.yaml", "- 1\n")).problems[0]
     assert read_config_file(write(tmp_path / "empty.yaml", "")).values == {}
     assert read_config_file(write(tmp_path / "c.json", '{"num_processes": 2}')).values == {"num_processes": 2}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from dispatch_models import make_llama
+
+from tests.dispatch.dispatch_models import make_llama
 
 
 @pytest.fixture(scope="session")

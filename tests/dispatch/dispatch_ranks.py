@@ -1,7 +1,7 @@
 """Run under torchrun: every rank dispatches its own copy of the test model over CPU and disk.
 
-``python dispatch_ranks.py OUT_DIR OFFLOAD_DIR``: each rank generates for its half of the prompts; rank 0
-writes all tokens, the per-rank default budgets and the offload folders to OUT_DIR/result.json.
+``python -m tests.dispatch.dispatch_ranks OUT_DIR OFFLOAD_DIR``: each rank generates for its half of the prompts;
+rank 0 writes all tokens, the per-rank default budgets and the offload folders to OUT_DIR/result.json.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dispatch_models import make_llama, prompt  # noqa: E402
-
-from trainer_ext.dispatch import dispatch_model  # noqa: E402
-from trainer_ext.dispatch.devices import resolve_max_memory  # noqa: E402
+from tests.dispatch.dispatch_models import make_llama, prompt
+from trainer_ext.dispatch import dispatch_model
+from trainer_ext.dispatch.devices import resolve_max_memory
 
 
 def main(out: Path, offload_dir: Path) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dispatch_models import EMBED, LAYER, make_gpt2, make_llama
 from torch import nn
 
+from tests.dispatch.dispatch_models import EMBED, LAYER, make_gpt2, make_llama
 from trainer_ext.dispatch import infer_auto_device_map, normalize_device, parse_size
 from trainer_ext.dispatch.devices import device_order, resolve_max_memory
 from trainer_ext.dispatch.inventory import Inventory

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dispatch_models import make_llama
 from torch import nn
 
+from tests.dispatch.dispatch_models import make_llama
 from trainer_ext.dispatch import dispatch_model, infer_auto_device_map
 from trainer_ext.dispatch.inventory import Inventory
 from trainer_ext.dispatch.plan import make_plan

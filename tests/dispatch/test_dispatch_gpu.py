@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from dispatch_models import make_llama, prompt
 from transformers import LlamaForCausalLM
 
+from tests.dispatch.dispatch_models import make_llama, prompt
 from trainer_ext.dispatch import dispatch_model, load_checkpoint_and_dispatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

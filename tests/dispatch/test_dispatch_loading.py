@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from dispatch_models import llama_config, make_llama, prompt
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from tests.dispatch.dispatch_models import llama_config, make_llama, prompt
 from trainer_ext.dispatch import init_empty_weights, load_checkpoint_and_dispatch
 from trainer_ext.errors import ConfigError
 

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-from dispatch_models import make_gpt2, make_llama, prompt
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
+from tests.dispatch.dispatch_models import make_gpt2, make_llama, prompt
 from trainer_ext.dispatch import dispatch_model, dispatch_summary, remove_hooks, send_to_device
 from trainer_ext.dispatch.hooks import DispatchHook, Fetch, Resident
 from trainer_ext.dispatch.inventory import Slot

@@ -2,7 +2,7 @@
 
 The only stand-in is the out-of-memory error: :class:`Memory` hooks a real model to raise
 ``torch.OutOfMemoryError`` when a training forward (or its backward) sees more rows than a limit.
-``python auto_batch_job.py OUT_DIR`` under torchrun: rank 0 alone runs out of memory (in forward, then in a
+``python -m tests.distributed.auto_batch_job OUT_DIR`` under torchrun: rank 0 alone runs out of memory (in forward, then in a
 non-final backward of a window); rank 0 writes the weights and the per-rank counts to OUT_DIR.
 """
 
@@ -19,9 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trainer_ext import Trainer, TrainingArguments  # noqa: E402
+from trainer_ext import Trainer, TrainingArguments
 
 
 class Regressor(nn.Module):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer_ext import Accelerator
-from trainer_ext.distributed import checkpoint
+from trainer_ext.checkpointing import loop_state as checkpoint
 
 out = Path(sys.argv[1])
 accelerator = Accelerator(cpu=True)

@@ -1,6 +1,6 @@
 """split_batches / dispatch_batches / iterable datasets: jobs run on 2 ranks under torchrun and on 1 rank in-process.
 
-``python split_dispatch_job.py OUT_DIR`` (under torchrun) runs every job; rank 0 writes ``results.json`` and the
+``python -m tests.distributed.split_dispatch_job OUT_DIR`` (under torchrun) runs every job; rank 0 writes ``results.json`` and the
 trained weights. Loader jobs record each step's global batch (every rank's part, in rank order) so the tests can
 compare it with one process reading the global batch.
 """
@@ -19,15 +19,12 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from jobs import make_args  # noqa: E402
-from tiny import lm_dataset, tiny_llama  # noqa: E402
-
-from trainer_ext import Trainer  # noqa: E402
-from trainer_ext.distributed import DistState, Engine, skip_first_batches  # noqa: E402
-from trainer_ext.distributed.collectives import gather_object  # noqa: E402
-from trainer_ext.errors import ConfigError  # noqa: E402
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset, tiny_llama
+from trainer_ext import Trainer
+from trainer_ext.distributed import DistState, Engine, skip_first_batches
+from trainer_ext.distributed.collectives import gather_object
+from trainer_ext.errors import ConfigError
 
 
 class Indices(Dataset):

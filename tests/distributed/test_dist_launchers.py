@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-JOB = Path(__file__).with_name("launcher_env_job.py")
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import ROOT
+
+JOB = "tests.distributed.launcher_env_job"
 pytestmark = pytest.mark.distributed
 
 
@@ -52,7 +53,7 @@ def _run(launcher: str, out: Path, mode: str) -> list[dict]:
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(JOB), str(out), mode],
+            [sys.executable, "-m", JOB, str(out), mode],
             env=_env(launcher, rank, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

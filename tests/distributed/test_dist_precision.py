@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from tiny import VOCAB, tiny_llama
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from tests.helpers.tiny import VOCAB, tiny_llama
 from trainer_ext.distributed import Precision
 
 CPU = torch.device("cpu")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from split_dispatch_job import Regression, RegressionStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import BatchEncoding
 
+from tests.distributed.split_dispatch_job import Regression, RegressionStream
 from trainer_ext.distributed import DistState, Engine, GradientState, ShardedDataLoader, skip_first_batches
 from trainer_ext.distributed.batches import allocate, batch_size, describe, join, take
 from trainer_ext.distributed.data import (

@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import loops
 import pytest
 import torch
-from launch import run_ranks
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+from tests.helpers import loops
+from tests.helpers.ranks import run_ranks
 
-HERE = Path(__file__).parent
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("loops")
-    proc = run_ranks(HERE / "loops.py", 2, str(out))
+    proc = run_ranks(loops, 2, str(out))
     (out / "stdout.txt").write_text(proc.stdout)
     return out
 

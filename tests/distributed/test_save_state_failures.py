@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 
 def test_a_full_disk_on_the_main_process_fails_the_save_everywhere(tmp_path: Path) -> None:
-    run_ranks(Path(__file__).with_name("save_failure_job.py"), 2, str(tmp_path), timeout=300)
+    run_ranks("tests.distributed.save_failure_job", 2, str(tmp_path), timeout=300)
     main, other = (json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1))
     assert main["raised"].startswith("OSError") and "No space left" in main["raised"]
     assert other["raised"].startswith("CheckpointError")

@@ -8,20 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import split_dispatch_job as job
 import torch
-from launch import run_ranks
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+from tests.distributed import split_dispatch_job as job
+from tests.helpers.ranks import run_ranks
 
-HERE = Path(__file__).parent
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("split_dispatch")
-    run_ranks(HERE / "split_dispatch_job.py", 2, str(out), timeout=220)
+    run_ranks(job, 2, str(out), timeout=220)
     return {"dir": out, **json.loads((out / "results.json").read_text())}
 
 

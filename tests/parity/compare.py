@@ -1,6 +1,6 @@
 """Compare what a scenario observed under stock transformers+accelerate and under trainer_ext.
 
-    python tests/parity/compare.py STOCK.json OURS.json     (exit status 1 on an unexpected difference)
+    python -m tests.parity.compare STOCK.json OURS.json     (exit status 1 on an unexpected difference)
 
 Tolerances (relative): learning rates 1e-9 and epochs 1e-12 (plain Python arithmetic on both sides); every
 other float — losses, grad norms, eval metrics, prediction sums — 1e-5; a weight tensor's sum within 1e-5 of its

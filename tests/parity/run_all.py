@@ -1,12 +1,12 @@
 """Run the parity scenarios under both implementations, two processes at a time, and report the differences.
 
-    python tests/parity/run_all.py                     # every scenario
-    python tests/parity/run_all.py -k resume -k files  # the scenarios whose name contains one of these
-    python tests/parity/run_all.py --outdir /tmp/parity-results --ours ours+accelerate
+    python -m tests.parity.run_all                     # every scenario
+    python -m tests.parity.run_all -k resume -k files  # the scenarios whose name contains one of these
+    python -m tests.parity.run_all --outdir /tmp/parity-results --ours ours+accelerate
 
-Each implementation gets one process (``run_scenario.py``, this interpreter, which needs accelerate for the
-stock side) that imports it once and forks a child per scenario; stock and ours run side by side. The JSON
-results stay in ``--outdir`` for a closer look.
+from the repository root. Each implementation gets one process (``python -m tests.parity.run_scenario``, this
+interpreter, which needs accelerate for the stock side) that imports it once and forks a child per scenario; stock
+and ours run side by side. The JSON results stay in ``--outdir`` for a closer look.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .compare import compare
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 240
@@ -41,7 +43,7 @@ def scenario_names() -> list[str]:
 
 def run_batch(impl: str, names: list[str], outdir: Path, timeout: float | None = None) -> tuple[float, str]:
     """The scenarios under one implementation: one process imports it, then forks one child per scenario."""
-    command = [sys.executable, str(HERE / "run_scenario.py"), "--impl", impl, "--outdir", str(outdir)]
+    command = [sys.executable, "-m", "tests.parity.run_scenario", "--impl", impl, "--outdir", str(outdir)]
     for name in names:
         command += ["--scenario", name]
     started = time.perf_counter()
@@ -50,7 +52,7 @@ def run_batch(impl: str, names: list[str], outdir: Path, timeout: float | None =
         capture_output=True,
         text=True,
         timeout=timeout or 60 + TIMEOUT_S * len(names),
-        cwd=HERE.parent.parent,
+        cwd=HERE.parent.parent,  # the repository root: `-m tests.parity.run_scenario` is found there
     )
     output = (process.stdout + process.stderr)[-6000:]
     if process.returncode != 0:
@@ -85,11 +87,6 @@ def run_both(names: list[str], outdir: Path, ours: str = "ours") -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        from .compare import compare
-    except ImportError:  # run as a script: this folder is sys.path[0]
-        from compare import compare
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", action="append", default=[], help="run the scenarios whose name contains this")
     parser.add_argument("--outdir", help="where the JSON results go (default: a temporary folder, kept)")

@@ -1,9 +1,10 @@
 """Run one parity scenario under one implementation; write what it observed as JSON.
 
     python -m tests.parity.run_scenario --impl stock|ours --scenario NAME --out FILE.json
-    python tests/parity/run_scenario.py --impl stock|ours --scenario NAME --out FILE.json
-    python tests/parity/run_scenario.py --impl ours --scenario A --scenario B --outdir DIR   (one fork each)
-    python tests/parity/run_scenario.py --list
+    python -m tests.parity.run_scenario --impl ours --scenario A --scenario B --outdir DIR   (one fork each)
+    python -m tests.parity.run_scenario --list
+
+(from the repository root, or with it on PYTHONPATH: the harness is the package ``tests.parity``.)
 
 ``stock`` is ``transformers.Trainer``/``TrainingArguments`` (with accelerate). ``ours`` is trainer_ext's pair
 with accelerate hidden from the import system, as where it is not installed (transformers then sees no
@@ -66,7 +67,7 @@ def quiet_and_deterministic() -> None:
 
 
 def load_impl(name: str) -> Any:
-    from parity.scenarios import Impl
+    from .scenarios import Impl
 
     if name == "stock":
         import transformers
@@ -78,11 +79,8 @@ def load_impl(name: str) -> Any:
 
 
 def load_scenarios() -> dict[str, Any]:
-    """The registry, imported as ``parity.scenarios`` (tests/ on the path, as pytest's conftest has it)."""
-    tests_dir = str(Path(__file__).resolve().parent.parent)
-    if tests_dir not in sys.path:
-        sys.path.insert(0, tests_dir)
-    from parity.scenarios import SCENARIOS
+    """The registry (``tests.parity.scenarios``), imported here: after ``prepare`` has hidden accelerate."""
+    from .scenarios import SCENARIOS
 
     return SCENARIOS
 
@@ -127,7 +125,7 @@ def prepare(impl_name: str) -> tuple[Any, dict[str, Any]]:
 
 def run(impl: Any, registry: dict[str, Any], scenario: str, workdir: Path) -> dict[str, Any]:
     """One scenario in this process: what it observed (or the exception that ended it), with its metadata."""
-    from parity.observe import error
+    from .observe import error
 
     started = time.perf_counter()
     try:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import set_seed
 
+from tests.helpers.ranks import child_env
+
 from .observe import error, files, jsonable, metrics, stage
 from .registry import SCENARIOS, Impl, scenario
 from .script import Script, train
@@ -97,9 +99,9 @@ SCENARIOS["_crashed_run"] = crashed_run  # a helper process, not a scenario of i
 def crashed_by_the_other(impl: Impl, workdir: Path) -> dict[str, Any]:
     """Run the crashing first half under the other implementation, in its own process, in ``workdir``."""
     other = "ours" if impl.name == "stock" else "stock"
-    command = [sys.executable, str(Path(__file__).with_name("run_scenario.py")), "--impl", other]
+    command = [sys.executable, "-m", "tests.parity.run_scenario", "--impl", other]
     command += ["--scenario", "_crashed_run", "--workdir", str(workdir), "--out", str(workdir / "first_half.json")]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    process = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
     if process.returncode != 0:
         raise RuntimeError(f"the other implementation's run failed:\n{process.stderr[-3000:]}")
     first_half = json.loads((workdir / "first_half.json").read_text())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft import PeftModel as PeftModel  # re-exported for the tests
-from tiny import tiny_llama
+
+from tests.helpers.tiny import tiny_llama
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
 

@@ -1,6 +1,6 @@
 """A LoRA training job run on 1 rank in-process and on 2 ranks under torchrun, for the DDP parity test.
 
-``python peft_ranks_job.py OUT_DIR`` (under torchrun): rank 0 writes the trained adapter and results to OUT_DIR; the
+``python -m tests.with_peft.peft_ranks_job OUT_DIR`` (under torchrun): rank 0 writes the trained adapter and results to OUT_DIR; the
 Trainer's final save (UnwrapAndSaveCallback) writes the adapter to OUT_DIR/run.
 """
 
@@ -14,14 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "distributed")]
-
-from jobs import make_args  # noqa: E402
-from lora_models import adapter_state, base_state, lora_llama, max_diff  # noqa: E402
-from tiny import lm_dataset  # noqa: E402
-
-from trainer_ext import Trainer  # noqa: E402
+from tests.helpers.jobs import make_args
+from tests.helpers.tiny import lm_dataset
+from tests.with_peft.lora_models import adapter_state, base_state, lora_llama, max_diff
+from trainer_ext import Trainer
 
 
 def lora_parity_job(out: Path, per_device_batch: int) -> Trainer:

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("peft")
 
 import torch  # noqa: E402
-from lora_models import PeftModel, adapter_state, base_state, logits, lora_llama, max_diff  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from tiny import lm_dataset, tiny_llama  # noqa: E402
 from transformers import default_data_collator  # noqa: E402
 
+from tests.helpers.tiny import lm_dataset, tiny_llama  # noqa: E402
+from tests.with_peft.lora_models import PeftModel, adapter_state, base_state, logits, lora_llama, max_diff  # noqa: E402
 from trainer_ext import Accelerator  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

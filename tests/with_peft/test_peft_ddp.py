@@ -9,19 +9,18 @@ import pytest
 
 pytest.importorskip("peft")
 
-from launch import run_ranks  # noqa: E402
-from lora_models import adapter_state, lora_llama, max_diff  # noqa: E402
-from peft_ranks_job import lora_parity_job  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+from tests.helpers.ranks import run_ranks  # noqa: E402
+from tests.with_peft.lora_models import adapter_state, lora_llama, max_diff  # noqa: E402
+from tests.with_peft.peft_ranks_job import lora_parity_job  # noqa: E402
 
-HERE = Path(__file__).parent
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def test_two_ranks_train_the_adapter_of_one_rank_with_the_double_batch(tmp_path: Path) -> None:
     """2 ranks x batch 2 == 1 rank x batch 4 after 8 AdamW steps (tolerance 1e-5: fp32 reduction order)."""
-    run_ranks(HERE / "peft_ranks_job.py", 2, str(tmp_path / "ddp"))
+    run_ranks("tests.with_peft.peft_ranks_job", 2, str(tmp_path / "ddp"))
     result = json.loads((tmp_path / "ddp" / "results.json").read_text())
     assert result["wrapped"] == "DistributedDataParallel" and result["steps"] == 8
     assert result["checksums"][0] == result["checksums"][1], "the ranks' adapters diverged"

@@ -9,12 +9,12 @@ import pytest
 pytest.importorskip("peft")
 
 import torch  # noqa: E402
-from jobs import StopAt, make_args  # noqa: E402
-from lora_models import PeftModel, adapter_state, base_state, logits, lora_config, lora_llama, max_diff  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from tiny import lm_dataset, tiny_llama  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from tests.helpers.jobs import StopAt, make_args  # noqa: E402
+from tests.helpers.tiny import lm_dataset, tiny_llama  # noqa: E402
+from tests.with_peft.lora_models import PeftModel, adapter_state, base_state, logits, lora_config, lora_llama, max_diff  # noqa: E402
 from trainer_ext import Trainer  # noqa: E402
 from trainer_ext.callbacks import SavedModelMismatchError, UnwrapAndSaveCallback  # noqa: E402
 from trainer_ext.callbacks.unwrap_and_save import verify_saved_model  # noqa: E402

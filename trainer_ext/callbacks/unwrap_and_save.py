@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_model as save_safetensors_model
-from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import _compat
-from ..distributed import sharded_checkpoint
+from ..checkpointing import sharded as sharded_checkpoint
+from ..distributed.strategies import checkpoint_owner
+from ..saving import save_model, tied_groups
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -72,13 +72,7 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
     state = model.state_dict(keep_vars=True)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
-    storage: dict[Any, set[str]] = {}
-    for name, tensor in state.items():
-        if isinstance(tensor, DTensor) or hasattr(tensor, "ds_shape"):  # a shard: the same object ties two names
-            storage.setdefault(id(tensor), set()).add(name)
-        elif tensor.device.type != "meta":
-            storage.setdefault((tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(name)
-    tied = {name: group - {name} for group in storage.values() if len(group) > 1 for name in group}
+    tied = {name: set(group) - {name} for group in tied_groups(state) for name in group}
     shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in state.items()}  # ZeRO-3: the full shape
     if getattr(model, "config", None) is not None and hasattr(model, "save_pretrained"):
         meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
@@ -158,8 +152,8 @@ def save_unwrapped(model: torch.nn.Module, folder: str | os.PathLike, processing
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "save_pretrained"):  # PreTrainedModel, and PeftModel (writes the adapter only)
         model.save_pretrained(folder)
-    else:
-        save_safetensors_model(model, os.path.join(folder, MODEL_FILE), metadata={"format": "pt"})
+    else:  # a plain module: safetensors (sharded above 10GB) the one way every saver of ours writes
+        save_model(model, folder)
     if processing_class is not None:
         processing_class.save_pretrained(folder)
 
@@ -214,8 +208,8 @@ class UnwrapAndSaveCallback(TrainerCallback):
                     save_unwrapped(model, folder, processing_class)
                 if not write and sharded_checkpoint.has_sharded_model(folder):
                     sharded_checkpoint.check_model_matches(model, folder)
-                elif not write and (Path(folder) / "latest").is_file():
-                    pass  # DeepSpeed's own checkpoint: DeepSpeed checks it when it loads it
+                elif not write and checkpoint_owner(folder) is not None:
+                    pass  # a backend's own format (DeepSpeed's): the backend checks it when it loads it
                 else:
                     verify_saved_model(model, folder, processing_class)
             except Exception as e:  # reported on every rank by _agree, so none is left waiting

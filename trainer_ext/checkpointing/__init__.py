@@ -1,14 +1,12 @@
-"""Fault tolerance: atomic checkpoints, verified resume, safe rotation and preemption handling."""
+"""Checkpoint I/O below the Trainer: atomic commit markers, verified resume, safe rotation, preemption handling."""
 
 from .marker import COMPLETE, CheckpointError, newest_complete, rotate, verify, write_marker
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback
-from .trainer_mixin import CheckpointingMixin
 
 __all__ = [
     "COMPLETE",
     "DEFAULT_EXIT_CODE",
     "CheckpointError",
-    "CheckpointingMixin",
     "Preempted",
     "PreemptionCallback",
     "newest_complete",

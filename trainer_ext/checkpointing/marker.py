@@ -13,13 +13,13 @@ import json
 import os
 import re
 import shutil
-import struct
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 COMPLETE = "COMPLETE"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -195,28 +195,37 @@ def read_marker(directory: str | os.PathLike) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else {}
 
 
+# safetensors' words for what is wrong with a file it cannot open, and how we say it
+_SAFETENSORS_ERRORS = (
+    ("header too small", "is truncated ({size} bytes)"),
+    ("invalid header length", "is truncated or corrupted (its header does not fit in its {size} bytes)"),
+    ("not fully covered", "is truncated or corrupted ({size} bytes, not what its header describes)"),
+    ("too large", "has a corrupted header ({reason})"),
+)
+
+
 def check_safetensors(path: Path) -> dict[str, Any]:
-    """The header of a safetensors file; CheckpointError when it is truncated or not safetensors."""
+    """The header of a safetensors file, as ``{name: {"dtype", "shape"}, "__metadata__": {...}}``.
+
+    ``safetensors.safe_open`` reads the header only and checks that the tensors' offsets, shapes and dtypes agree
+    and cover the file exactly; CheckpointError when it refuses (truncated, corrupted, or not safetensors).
+    """
     size = path.stat().st_size
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path.name} is truncated ({size} bytes)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > size - 8:
-            raise CheckpointError(f"{path.name} is truncated or corrupted (header of {length} bytes in {size})")
-        try:
-            header = json.loads(handle.read(length))
-        except (ValueError, RecursionError) as error:
-            raise CheckpointError(f"{path.name} has a corrupted header ({error})") from error
     try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:
-        raise CheckpointError(
-            f"{path.name} has a malformed header (not safetensors' layout: {type(error).__name__} {error})"
-        ) from error
-    if 8 + length + end > size:
-        raise CheckpointError(f"{path.name} is truncated: {size} bytes, its header needs {8 + length + end}")
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata()
+            header: dict[str, Any] = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                header[name] = {"dtype": view.get_dtype(), "shape": list(view.get_shape())}
+    except SafetensorError as error:
+        reason = " ".join(str(error).split())[:300]
+        said = next((text for words, text in _SAFETENSORS_ERRORS if words in reason), None)
+        if said is None:  # invalid JSON, a value that is no tensor entry, offsets that do not add up
+            said = "has a malformed header (not safetensors' layout: {reason})"
+        raise CheckpointError(f"{path.name} " + said.format(size=size, reason=reason)) from error
+    if metadata is not None:
+        header["__metadata__"] = metadata
     return header
 
 
@@ -314,7 +323,7 @@ def check_zip(path: Path) -> None:
 
 def check_dcp_metadata(path: Path) -> None:
     """A DCP folder's ``.metadata`` read through the allow-list, its non-tensor values ``weights_only``."""
-    from ..distributed.safe_dcp import UnsafeCheckpointError, check_values, load_metadata
+    from .safe_dcp import UnsafeCheckpointError, check_values, load_metadata
 
     try:
         check_values(path.parent, load_metadata(path))

@@ -54,29 +54,6 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-_HOST_GROUP: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
-
-
-def _host_group() -> Any:
-    """A gloo group for the flag when the default group is NCCL, so the check never syncs the GPU.
-
-    Collective the first time for a default group: every rank calls it at the same point (``on_train_begin``);
-    later Trainers on the same default group reuse it. ``None`` means the default group already reduces CPU
-    tensors (gloo), or there is no group at all.
-    """
-    global _HOST_GROUP
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if dist.get_backend() == "gloo":
-        return None
-    world = dist.GroupMember.WORLD
-    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
-        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
-    return _HOST_GROUP[1]
-
-
 def _agreed(flag: bool, group: Any = None) -> bool:
     """True when any rank has the flag set: a one-element max all-reduce of a CPU tensor (no device sync)."""
     import torch.distributed as dist
@@ -100,7 +77,9 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.preempted_at = None
-        self._group = _host_group()
+        # NCCL runs get a gloo side group from the distributed state, so the per-step flag check never syncs the GPU
+        state = getattr(args, "distributed_state", None)
+        self._group = state.host_group() if state is not None else None
         if not self.flag.install():
             logger.warning("preemption signals are not caught: training does not run in the main thread")
 

@@ -4,7 +4,7 @@
     trainer-ext config --default [--config_file PATH]   a file for this machine, no questions
     trainer-ext config validate FILE                    every problem in FILE; exit code 2 if any
 
-The file uses accelerate's key names (see :mod:`.launch_config`); it goes to ``--config_file``, else
+The file uses accelerate's key names (see :mod:`.launch.config_file`); it goes to ``--config_file``, else
 ``$TRAINER_EXT_CONFIG_FILE``, else ``~/.cache/trainer_ext/default_config.yaml``.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from . import launch_settings
-from .launch_config import (
+from ..values import parse_bool
+from .launch import settings as launch_settings
+from .launch.config_file import (
     IGNORED_KEYS,
     MIXED_PRECISION,
-    boolean,
     default_config_path,
     gpu_ids,
     host,
@@ -31,8 +31,7 @@ from .launch_config import (
     read_config_file,
     whole_number,
 )
-from .launch_fsdp import fsdp_problems
-from .launch_settings import resolve
+from .launch.fsdp import fsdp_problems
 
 HEADER = (
     "# Launch config for `trainer-ext launch` (written by `trainer-ext config`).\n"
@@ -117,7 +116,9 @@ def questionnaire(q: Questions, gpu_count: int) -> dict[str, Any]:
                 config["distributed_type"] = "FSDP"
                 config["fsdp_config"] = fsdp
     config["use_cpu"] = kind == "MULTI_CPU" or (
-        kind == "NO" and gpu_count > 0 and q.ask("Run on the CPU although GPUs are present? (yes/no)", "no", boolean)
+        kind == "NO"
+        and gpu_count > 0
+        and q.ask("Run on the CPU although GPUs are present? (yes/no)", "no", parse_bool)
     )
     config["mixed_precision"] = q.ask(f"Mixed precision ({', '.join(MIXED_PRECISION)})", "no", one_of(MIXED_PRECISION))
     return config
@@ -158,7 +159,7 @@ def _check_target(path: Path, overwrite: bool) -> None:
 def explain(path: Path) -> tuple[list[str], str]:
     """Every problem with the config file at ``path``, and a report of what it resolves to."""
     config = read_config_file(path)
-    settings = resolve({}, config)
+    settings = launch_settings.resolve({}, config)
     problems = config.problems + settings.problems + fsdp_problems(settings)
     lines = [f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
     lines += [f"  - {p.removeprefix(f'{path}: ')}" for p in problems]

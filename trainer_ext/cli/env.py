@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from .. import __version__
-from .launch_config import find_config_file, read_config_file
+from .launch.config_file import find_config_file, read_config_file
 
 PACKAGES = ("transformers", "datasets", "safetensors", "deepspeed", "peft")
 ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_", "GLOO_", "TORCH_", "ACCELERATE_", "TRAINER_EXT_")

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .devices import Device, device_label, format_size, main_device, resolve_max_memory
+from ..values import format_size
+from .devices import Device, device_label, main_device, resolve_max_memory
 from .inventory import Inventory
 
 

@@ -1,4 +1,4 @@
-"""Device names, memory sizes and the default memory budget of each device.
+"""Device names and the default memory budget of each device (sizes are read by :mod:`trainer_ext.values`).
 
 A device map's values are what transformers' ``hf_device_map`` holds: an ``int`` for a GPU (its CUDA
 index), ``"cpu"`` or ``"disk"``. On input we also accept ``"cuda:0"``, ``"cuda"``, ``torch.device``
@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .. import values
 from ..errors import ConfigError
 
 Device = int | str  # a GPU index, "cpu" or "disk"
@@ -20,20 +21,6 @@ Device = int | str  # a GPU index, "cpu" or "disk"
 # Default budgets keep this fraction of the free memory back for activations, the CUDA context and the
 # allocator's fragmentation (and, on CPU, for everything else the process and the machine do).
 SAFETY_MARGIN = 0.10
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def normalize_device(device: int | str | torch.device) -> Device:
@@ -92,30 +79,8 @@ def main_device(devices: Iterable[Device]) -> Device:
 
 
 def parse_size(value: int | float | str) -> int:
-    """Bytes from ``1024``, ``"2MB"`` (10**6), ``"2MiB"`` (2**20), ``"1.5GB"``; a ConfigError otherwise."""
-    if isinstance(value, bool):
-        raise ConfigError(f"memory size {value!r} is not a size; write bytes or a string like '2GB' or '512MiB'")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ConfigError(f"memory size {value!r} is negative")
-        return int(value)
-    match = _SIZE.match(str(value))
-    unit = match.group(2).upper() if match else None
-    if unit is not None and unit not in _UNITS and unit + "B" in _UNITS:
-        unit += "B"  # "2G", "512Mi"
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot read the memory size {value!r}; write bytes (an int) or a string like '2GB', '512MiB', '10KB'"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_size(nbytes: float) -> str:
-    """A short human size: ``512 B``, ``2.0 KiB``, ``1.50 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}" if scale == 2**30 else f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
+    """Bytes of a memory budget: ``1024``, ``"2MB"`` (2*10**6), ``"2MiB"`` (2*2**20); see :func:`.values.parse_size`."""
+    return values.parse_size(value, "memory size")
 
 
 def parse_max_memory(max_memory: Mapping[int | str | torch.device, int | float | str]) -> dict[Device, int]:

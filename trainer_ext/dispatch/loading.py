@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..errors import ConfigError
 from .devices import torch_device
@@ -47,24 +48,29 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 @contextlib.contextmanager
-def init_empty_weights() -> Iterator[None]:
-    """Inside, every parameter a module registers is moved to the meta device as soon as it is registered.
+def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+    """Inside, modules get their parameters on the meta device: shape and dtype, no memory.
 
-    Initialisers that run after registration (``reset_parameters``) then work on meta tensors and cost
-    nothing. Not thread-safe: it patches ``nn.Module.register_parameter`` for the duration.
+    Buffers stay real (non-persistent ones, such as rotary frequencies, are computed in ``__init__`` and no
+    checkpoint holds them); ``include_buffers=True`` puts them on meta too, which is ``with torch.device("meta")``.
+    Without it a parameter moves to meta as it is registered (torch's registration hook, active in every thread
+    until the block ends), so initialisers that run after registration (``reset_parameters``) cost nothing.
     """
-    original = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
+    if include_buffers:
+        with torch.device("meta"):
+            yield
+        return
+    handle = register_module_parameter_registration_hook(_parameter_on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        handle.remove()
+
+
+def _parameter_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if param is None or param.device.type == "meta":
+        return None  # kept as given (an already-empty parameter: a tied one keeps its identity)
+    return type(param)(param.to("meta"), requires_grad=param.requires_grad)
 
 
 def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, str]:

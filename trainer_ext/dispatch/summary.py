@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .devices import Device, device_label, device_order, format_size
+from ..values import format_size
+from .devices import Device, device_label, device_order
 from .inventory import Inventory
 from .plan import Plan
 

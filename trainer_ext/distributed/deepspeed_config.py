@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..config_files import JSON, load_mapping, parse_mapping
 from ..errors import ConfigError
 
 AUTO = "auto"
@@ -36,15 +37,6 @@ _MISSING = object()
 
 
 # -- loading and validation -----------------------------------------------------------------------
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
 def load_deepspeed_config(source: str | os.PathLike | dict) -> dict:
     """Read a DeepSpeed JSON file (or deep-copy a dict) and validate it.
 
@@ -56,30 +48,12 @@ def load_deepspeed_config(source: str | os.PathLike | dict) -> dict:
         return config
     path = os.fspath(source)
     if path.lstrip().startswith("{"):  # the JSON itself, as transformers accepts for --deepspeed
-        return _parse(path, "inline DeepSpeed JSON")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"DeepSpeed config {path} does not exist; pass a JSON file, e.g. --deepspeed configs/deepspeed/zero2.json"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from None
-    return _parse(text, f"DeepSpeed config {path}", path)
-
-
-def _parse(text: str, what: str, source: str | None = None) -> dict:
-    """JSON text → a validated config dict; ``what`` names it in the errors."""
-    try:
-        config = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what} is not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except ValueError as exc:  # a duplicate key from the hook
-        raise ConfigError(f"{what} is not valid: {exc}; keep one of them") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{what} must hold a JSON object ({{...}}), not {type(config).__name__}")
-    validate_deepspeed_config(config, source=source)
+        config = parse_mapping(path, "inline DeepSpeed JSON", fmt=JSON, unique_keys=True)
+        validate_deepspeed_config(config)
+        return config
+    hint = "; pass a JSON file, e.g. --deepspeed configs/deepspeed/zero2.json"
+    config = load_mapping(path, "DeepSpeed config", fmt=JSON, unique_keys=True, hint=hint)
+    validate_deepspeed_config(config, source=path)
     return config
 
 

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from . import collectives, sharded_checkpoint
+from . import collectives
 from .accumulation import GradientState
 from .data import shard_dataloader
 from .optimizer import EngineOptimizer
 from .precision import Precision
 from .state import DistributedType, DistState
 from .strategies import Strategy, resolve_strategy
-from .strategies.deepspeed import is_engine
 
 
 class Engine:
@@ -160,28 +160,33 @@ class Engine:
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_joint(self, objects: list[Any]) -> None:
-        """DeepSpeed: the first model and optimizer become one engine (in place in ``objects``)."""
-        models = [i for i, o in enumerate(objects) if isinstance(o, torch.nn.Module) and not is_engine(o)]
+        """Joint strategies: the first model and optimizer are wrapped together (in place in ``objects``)."""
+        models = [
+            i for i, o in enumerate(objects) if isinstance(o, torch.nn.Module) and not self.strategy.is_prepared(o)
+        ]
         optimizers = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer)]
         if not models or not optimizers:
             return  # a model alone is wrapped by prepare_model (evaluation); an optimizer alone waits
         m, o = models[0], optimizers[0]
         optimizer = getattr(objects[o], "optimizer", objects[o])
-        engine, ds_optimizer = self.strategy.initialize_for_training(objects[m], optimizer, self.training_steps)
-        objects[m] = engine
-        wrapped = EngineOptimizer(ds_optimizer, self)
+        model, backend_optimizer = self.strategy.setup_model_and_optimizer(objects[m], optimizer, self.training_steps)
+        objects[m] = model
+        wrapped = EngineOptimizer(backend_optimizer, self)
         self._optimizers.append(wrapped)
         objects[o] = wrapped
-        self._models.append(engine)
+        self._models.append(model)
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
-        """Place on the device, autocast ``forward``, wrap for training (not for evaluation), compile."""
-        if is_engine(model):
+        """Place on the device, autocast ``forward``, wrap for training (not for evaluation), compile.
+
+        Optimizers prepared earlier (another ``prepare`` call) are pointed at the parameters the wrapper trains.
+        """
+        if self.strategy.is_prepared(model):
             return model
         if self.strategy.joint_prepare:  # a model prepared without its optimizer: evaluation/inference
-            if evaluation_mode and not self.strategy.hf_config.is_zero3():
+            if evaluation_mode and not self.strategy.wraps_for_evaluation:
                 model = model.to(self.device) if device_placement is not False else model
             else:
                 model = self.strategy.wrap(model)
@@ -202,6 +207,8 @@ class Engine:
         if not evaluation_mode:
             model = self.strategy.wrap(model)
         self._models.append(model)
+        for optimizer in self._optimizers:
+            self.strategy.adopt_optimizer(optimizer.optimizer)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> EngineOptimizer:
@@ -286,11 +293,28 @@ class Engine:
         """The full state dict; for a sharded model a collective that leaves it on the main process only."""
         if unwrap:
             model = self.unwrap_model(model, keep_torch_compile=False)
-        if self.strategy.joint_prepare:
-            return self.strategy.consolidated_state_dict(self.strategy.engine) or {}
-        if self.strategy.sharded_checkpoints:
-            return sharded_checkpoint.full_state_dict(model)
-        return model.state_dict()
+        return self.strategy.full_state_dict(model)
+
+    def export_model(
+        self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "10GB"
+    ) -> None:
+        """All ranks: the consolidated model as safetensors, written by the main process (the one save path)."""
+        self.strategy.export_model(
+            model, directory, max_shard_size=max_shard_size, is_main_process=self.state.is_main_process
+        )
+
+    # -- what has been prepared (in preparation order) ---------------------------------------------
+    @property
+    def prepared_models(self) -> list[torch.nn.Module]:
+        return list(self._models)
+
+    @property
+    def prepared_optimizers(self) -> list[EngineOptimizer]:
+        return list(self._optimizers)
+
+    @property
+    def prepared_dataloaders(self) -> list[DataLoader]:
+        return list(self._dataloaders)
 
     # -- collectives ----------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
@@ -327,7 +351,8 @@ class Engine:
         return tuple(None for _ in objects)
 
     def end_training(self) -> None:
-        """Tear down the process group this job created."""
+        """Release the backend, then tear down the process group this job created."""
+        self.strategy.destroy()
         self.state.destroy()
 
 

@@ -3,22 +3,21 @@
 One normal form (:class:`FSDPSettings`) whatever the source: transformers' ``fsdp_config`` JSON keys, the
 ``fsdp_``-prefixed keys of an accelerate config file (also a whole accelerate YAML with an ``fsdp_config:``
 block), and the legacy ``--fsdp "full_shard auto_wrap offload"`` words. Unknown keys are errors (a typo must
-not silently train unsharded); FSDP1-only keys are named in a warning and ignored.
+not silently train unsharded); FSDP1-only keys are ignored with a warning that :func:`read_fsdp_settings`
+returns (the launcher shows it as a dry-run note) and :func:`parse_fsdp` logs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..config_files import JSON, load_mapping, parse_mapping
 from ..errors import ConfigError, did_you_mean
+from ..values import TRUE_WORDS, parse_bool
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +90,7 @@ class FSDPSettings:
 
 
 def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on", "y", "t"):
-        return True
-    if text in ("0", "false", "no", "off", "n", "f"):
-        return False
-    raise ConfigError(f"fsdp_config: {key} must be true or false, got {value!r}")
+    return parse_bool(value, f"fsdp_config: {key}")
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
@@ -119,22 +111,9 @@ def read_fsdp_config(source: str | os.PathLike | dict | None) -> dict[str, Any]:
         return dict(source)
     text = str(source).strip()
     if text.startswith("{"):
-        try:
-            data = json.loads(text)
-        except ValueError as error:
-            raise ConfigError(f"--fsdp_config: not valid JSON ({error})") from error
+        data = parse_mapping(text, "inline --fsdp_config", fmt=JSON)
     else:
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--fsdp_config: no such file {str(path)!r} (presets live in configs/fsdp/)")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as error:
-            raise ConfigError(f"--fsdp_config {path}: not valid YAML/JSON: {error}") from error
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--fsdp_config {text}: expected a mapping of settings, got {type(data).__name__}")
+        data = load_mapping(text, "--fsdp_config", hint="; presets live in configs/fsdp/")
     if isinstance(data.get("fsdp_config"), dict):  # a whole accelerate config file
         data = data["fsdp_config"]
     return dict(data)
@@ -147,7 +126,7 @@ def _flag_words(fsdp: Any) -> list[str]:
     words = [str(w).strip().lower() for w in fsdp] if isinstance(fsdp, (list, tuple)) else str(fsdp).lower().split()
     out = []
     for word in words:
-        if word in ("true", "1", "yes", "on"):
+        if word in TRUE_WORDS:
             continue
         if word == "no_shard":
             raise ConfigError("--fsdp no_shard replicates the whole model: drop --fsdp, several processes use DDP")
@@ -160,8 +139,32 @@ def _flag_words(fsdp: Any) -> list[str]:
     return out
 
 
+def fsdp_requested(value: object) -> bool:
+    """``--fsdp`` given: True, option words or a list; not None/False/""/a false word ("false", "no", "off" ...)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return False
+        try:
+            return parse_bool(text)
+        except ConfigError:
+            return True  # option words: "full_shard offload"
+    return bool(value)
+
+
 def parse_fsdp(fsdp: Any, fsdp_config: str | os.PathLike | dict | None) -> FSDPSettings:
-    """Settings from the ``--fsdp`` words and the ``--fsdp_config`` file; values in the file win."""
+    """Settings from the ``--fsdp`` words and the ``--fsdp_config`` file; values in the file win.
+
+    Warnings (FSDP1-only keys ignored) are logged; :func:`read_fsdp_settings` returns them instead.
+    """
+    settings, warnings = read_fsdp_settings(fsdp, fsdp_config)
+    for warning in warnings:
+        logger.warning("%s", warning)
+    return settings
+
+
+def read_fsdp_settings(fsdp: Any, fsdp_config: str | os.PathLike | dict | None) -> tuple[FSDPSettings, list[str]]:
+    """:func:`parse_fsdp` without logging: the settings, and the warnings met while reading them."""
     raw = read_fsdp_config(fsdp_config)
     values: dict[str, Any] = {}
     for word in _flag_words(fsdp):
@@ -231,13 +234,13 @@ def parse_fsdp(fsdp: Any, fsdp_config: str | os.PathLike | dict | None) -> FSDPS
             raise ConfigError(f"fsdp_config: unknown key {key!r}.{did_you_mean(name, accepted)}")
     if values.get("min_num_params") and "auto_wrap_policy" not in values:
         values["auto_wrap_policy"] = "size"  # a size threshold alone means size-based wrapping
+    warnings = []
     if ignored:
-        logger.warning(
-            "fsdp_config: ignoring %s (FSDP1-only or not applicable to FSDP2; checkpoints are always sharded and "
-            "the final model is saved consolidated)",
-            ", ".join(sorted(ignored)),
+        warnings.append(
+            f"fsdp_config: ignoring {', '.join(sorted(ignored))} (FSDP1-only or not applicable to FSDP2; checkpoints "
+            "are always sharded and the final model is saved consolidated)"
         )
-    return FSDPSettings(**values)
+    return FSDPSettings(**values), warnings
 
 
 def normalized_config(settings: FSDPSettings) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,7 @@ class DistState:
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout = timeout
         self.owns_process_group = False
+        self._host_group: tuple[Any, Any] | None = None  # (the default group it was made for, a gloo group)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if init and self.topology.is_distributed:
@@ -276,6 +278,21 @@ class DistState:
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         return self.main_process_first(local=True)
 
+    def host_group(self) -> Any:
+        """A gloo group over all ranks for small CPU-side agreements (flags), so they never sync the GPU.
+
+        ``None`` where the default group already reduces CPU tensors (gloo) or there is no group. Collective the
+        first time for a default group (every rank calls it at the same point); kept for the next calls.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if dist.get_backend() == "gloo":
+            return None
+        world = dist.GroupMember.WORLD
+        if self._host_group is None or self._host_group[0] is not world:
+            self._host_group = (world, dist.new_group(backend="gloo"))
+        return self._host_group[1]
+
     def destroy(self) -> None:
         """Tear down the process group if this state created it."""
         if self.owns_process_group and dist.is_initialized():
@@ -285,11 +302,13 @@ class DistState:
             self.wait_for_everyone()
             dist.destroy_process_group()
         self.owns_process_group = False
+        self._host_group = None
 
     # -- pickling: transformers saves ``args`` (which holds this state) into training_args.bin ----
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["owns_process_group"] = False
+        state["_host_group"] = None  # a live group does not travel
         return state
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ...errors import ConfigError, did_you_mean
@@ -30,12 +31,12 @@ def resolve_strategy(state: DistState, name: str | None = None, **options: Any) 
             f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}.{did_you_mean(name, STRATEGIES)}"
         )
     check_world(state.num_processes, name)
-    cls = STRATEGIES[name]
-    if cls is SingleDeviceStrategy:
-        options = {}
-    elif cls is DDPStrategy:
-        options = {k: v for k, v in options.items() if k in DDPStrategy.option_names}
-    return cls(state, **options)
+    return STRATEGIES[name].from_options(state, **options)
+
+
+def checkpoint_owner(directory: str | os.PathLike) -> type[Strategy] | None:
+    """The strategy whose own checkpoint format ``directory`` holds (only it can resume it), or None."""
+    return next((cls for cls in STRATEGIES.values() if cls.has_own_checkpoint(directory)), None)
 
 
 __all__ = [
@@ -45,5 +46,6 @@ __all__ = [
     "FSDPStrategy",
     "SingleDeviceStrategy",
     "Strategy",
+    "checkpoint_owner",
     "resolve_strategy",
 ]

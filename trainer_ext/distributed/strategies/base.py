@@ -3,30 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...saving import save_model
 from ..state import DistributedType, DistState
 
 
 class Strategy:
     """Base strategy: one process, nothing wrapped. Subclasses override what their backend changes.
 
-    Capability flags let callers ask what a backend owns instead of asking which backend it is.
+    A strategy owns its whole backend: wrapping, gradient sync, backward/step, clipping, state dicts, checkpoints
+    of models no rank holds whole, the consolidated export and teardown. Generic code (engine, Trainer,
+    Accelerator) calls these methods and reads the capability flags below; it never asks which backend it is.
     """
 
     name = "single"
+    title = "one process"  # how messages name the backend
+    option_names: tuple[str, ...] = ()  # the keyword options this strategy takes (others are dropped)
     owns_loss_scaling = False  # the backend scales fp16 losses itself (DeepSpeed)
     owns_accumulation = False  # the backend decides accumulation boundaries itself (DeepSpeed)
-    sharded_checkpoints = False  # no rank holds the whole model: checkpoints are written by every rank (FSDP)
     owns_mixed_precision = False  # the backend casts the model and runs the step in its dtype (DeepSpeed)
     joint_prepare = False  # model and optimizer are wrapped together (DeepSpeed's engine)
+    wraps_for_evaluation = False  # a joint strategy whose models must be wrapped even for evaluation
+    own_checkpoint_format = False  # checkpoints in the backend's own format, which only it resumes (DeepSpeed)
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state
         self.options = options
+
+    @classmethod
+    def from_options(cls, state: DistState, **options: Any) -> Strategy:
+        """Build from a mixed bag of options (the engine passes all it knows): keep the ones this class takes."""
+        return cls(state, **{k: v for k, v in options.items() if k in cls.option_names})
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -35,6 +48,28 @@ class Strategy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap a model already on its device for training; the base strategy returns it as is."""
         return model
+
+    def is_prepared(self, model: Any) -> bool:
+        """True when ``model`` is already this backend's finished training object (nothing more to do to it)."""
+        return False
+
+    def setup_model_and_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Joint strategies (``joint_prepare``): wrap a model and its optimizer together; ``training_steps`` is
+        (total, warm-up) when known."""
+        raise NotImplementedError(f"strategy {self.name!r} wraps models and optimizers separately")
+
+    def resolve_auto_values(
+        self,
+        *,
+        micro_batch_size: int,
+        gradient_accumulation_steps: int,
+        max_grad_norm: float,
+        optimizer_defaults: dict[str, Any],
+        mixed_precision: str,
+    ) -> None:
+        """Fill backend settings left to the loop (a hand-written loop's batch size, optimizer …); none here."""
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point an optimizer built before :meth:`wrap` at the parameters the wrapper trains (no-op here)."""
@@ -72,3 +107,62 @@ class Strategy:
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def backend_scheduler(self) -> Any:
+        """An LR scheduler the backend built and steps itself (from its own config), or None."""
+        return None
+
+    def input_dtype(self) -> torch.dtype | None:
+        """The dtype float inputs must take to match the model the backend casts, or None to leave them."""
+        return None
+
+    # -- state dicts and checkpoints --------------------------------------------------------------
+    def shards_model(self, model: Any) -> bool:
+        """True when no rank holds ``model`` whole: its checkpoints are written by every rank, its export gathered."""
+        return False
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (a collective for sharded models; on the main process only then)."""
+        return model.state_dict()
+
+    def export_model(
+        self, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_size: str | int, is_main_process: bool
+    ) -> None:
+        """Write the consolidated, unwrapped model as safetensors (sharded above ``max_shard_size``); all ranks call."""
+        if is_main_process:
+            save_model(self.unwrap(model), directory, max_shard_size=max_shard_size)
+
+    def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
+        """Sharded models (``shards_model``): every rank writes its part of ``model`` into a Trainer checkpoint."""
+        raise NotImplementedError(f"strategy {self.name!r} holds whole models: the Trainer saves them itself")
+
+    def save_checkpoint_optimizer(self, model: Any, optimizer: Any, directory: str | os.PathLike) -> None:
+        """Sharded models: every rank writes its part of the optimizer state into a Trainer checkpoint."""
+        raise NotImplementedError(f"strategy {self.name!r} holds whole models: the Trainer saves them itself")
+
+    @classmethod
+    def has_own_checkpoint(cls, directory: str | os.PathLike) -> bool:
+        """True when ``directory`` holds a checkpoint in this backend's own format (only this backend resumes it)."""
+        return False
+
+    @classmethod
+    def check_own_checkpoint(cls, model: torch.nn.Module, directory: str | os.PathLike) -> None:
+        """ConfigError when a checkpoint in this backend's own format holds another model."""
+
+    def load_own_checkpoint(self, model: Any, directory: str | os.PathLike) -> None:
+        """Restore model, optimizer and scheduler from a checkpoint in this backend's own format (all ranks)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no checkpoint format of its own")
+
+    def save_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        """``save_state`` of a loop: write the models and optimizers this backend holds in its own way (every rank);
+        False leaves them to the whole-file writer of the main process."""
+        return False
+
+    def load_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        """``load_state``: restore what :meth:`save_training_state` wrote; False when the generic loader does it."""
+        return False
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release what the backend holds (engines, groups it created); the engine calls it at the end."""
+        self.forget()

@@ -19,6 +19,7 @@ class DDPStrategy(Strategy):
     """
 
     name = "ddp"
+    title = "DDP"
     option_names = (
         "find_unused_parameters",
         "bucket_cap_mb",

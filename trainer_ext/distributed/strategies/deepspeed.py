@@ -19,13 +19,17 @@ from typing import Any
 
 import torch
 
+from ...checkpointing import sharded as sharded_checkpoint
+from ...checkpointing.marker import load_deepspeed_file
 from ...errors import ConfigError
+from ...saving import save_model
 from .. import deepspeed_config
 from ..deepspeed_config import DeepSpeedConfig, check_resolved
 from ..state import DistributedType, DistState
 from .base import Strategy
 
 INSTALL_HINT = "DeepSpeed is not installed: pip install 'trainer_ext[deepspeed]'"
+LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
 
 
 class ConsolidationError(RuntimeError):
@@ -60,10 +64,13 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+    title = "DeepSpeed"
+    option_names = ("config", "build_cpu_shm_comm")
     owns_loss_scaling = True
     owns_accumulation = True
     owns_mixed_precision = True
     joint_prepare = True
+    own_checkpoint_format = True
 
     def __init__(self, state: DistState, config: dict | DeepSpeedConfig, **options: Any) -> None:
         super().__init__(state, **options)
@@ -79,6 +86,47 @@ class DeepSpeedStrategy(Strategy):
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.DEEPSPEED
+
+    @property
+    def wraps_for_evaluation(self) -> bool:
+        """ZeRO-3 partitions the parameters: even an evaluation-only model runs inside an engine."""
+        return self.hf_config.is_zero3()
+
+    def resolve_auto_values(
+        self,
+        *,
+        micro_batch_size: int,
+        gradient_accumulation_steps: int,
+        max_grad_norm: float,
+        optimizer_defaults: dict[str, Any],
+        mixed_precision: str,
+    ) -> None:
+        """Fill the config's ``"auto"`` values from a hand-written loop's loader and optimizer."""
+        betas = optimizer_defaults.get("betas", (0.9, 0.999))
+        self.hf_config.resolve(
+            deepspeed_config.DeepSpeedInputs(
+                world_size=self.state.num_processes,
+                micro_batch_size=micro_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                max_grad_norm=max_grad_norm,
+                learning_rate=optimizer_defaults.get("lr", 1e-3),
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                adam_epsilon=optimizer_defaults.get("eps", 1e-8),
+                weight_decay=optimizer_defaults.get("weight_decay", 0.0),
+                fp16=mixed_precision == "fp16",
+                bf16=mixed_precision == "bf16",
+            )
+        )
+
+    def input_dtype(self) -> torch.dtype | None:
+        """The engine's dtype once the config is resolved (before that the model is still in float32)."""
+        if self.hf_config.is_auto("fp16.enabled") or self.hf_config.is_auto("bf16.enabled"):
+            return None
+        return self.hf_config.dtype()
+
+    def backend_scheduler(self) -> Any:
+        return getattr(self.engine, "lr_scheduler", None)
 
     # -- DeepSpeed's communication on our process group -------------------------------------------
     def deepspeed_module(self) -> Any:
@@ -173,7 +221,7 @@ class DeepSpeedStrategy(Strategy):
         self._grad_norm = None
         return engine, ds_optimizer, ds_scheduler
 
-    def initialize_for_training(
+    def setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
     ) -> tuple[Any, Any]:
         """Fill the model- and schedule-derived ``"auto"`` values, then :meth:`initialize`; returns
@@ -190,6 +238,9 @@ class DeepSpeedStrategy(Strategy):
         if is_engine(model):
             return model
         return self.initialize(model)[0]
+
+    def is_prepared(self, model: Any) -> bool:
+        return is_engine(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         while is_engine(model):
@@ -265,7 +316,55 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(f"DeepSpeed clips by the 2-norm only; norm_type={norm_type} is not supported")
         return self._grad_norm
 
-    # -- checkpoints ------------------------------------------------------------------------------
+    # -- state dicts and checkpoints: DeepSpeed's own format (global_stepN/ + latest) ------------------------
+    def shards_model(self, model: Any) -> bool:
+        """A model inside an engine is checkpointed by the engine on every rank, in DeepSpeed's format."""
+        return is_engine(model)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return self.consolidated_state_dict() or {}
+
+    def export_model(
+        self, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_size: str | int, is_main_process: bool
+    ) -> None:
+        """Gathered under ZeRO-3 on every rank (a collective), checked complete, written by the main process."""
+        state = self.consolidated_state_dict()
+        if is_main_process:
+            save_model(self.unwrap(model), directory, max_shard_size=max_shard_size, state_dict=state)
+
+    def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
+        """The engine's checkpoint: model, optimizer and scheduler in one (every rank)."""
+        self.save_checkpoint(model, directory)
+
+    def save_checkpoint_optimizer(self, model: Any, optimizer: Any, directory: str | os.PathLike) -> None:
+        """Nothing: the engine's checkpoint (:meth:`save_checkpoint_model`) holds the optimizer."""
+
+    @classmethod
+    def has_own_checkpoint(cls, directory: str | os.PathLike) -> bool:
+        return (Path(directory) / LATEST).is_file()
+
+    @classmethod
+    def check_own_checkpoint(cls, model: torch.nn.Module, directory: str | os.PathLike) -> None:
+        """ConfigError when the checkpoint holds another model (parameter names or full shapes differ)."""
+        found = saved_shapes(directory)
+        if found is None:
+            return
+        params = list(model.named_parameters())
+        expected = {name: list(full_shape(p)) for name, p in params}
+        trainable = [name for name, p in params if p.requires_grad]  # frozen ones are saved only under some stages
+        sharded_checkpoint.check_shapes(Path(directory).name, found[0], expected, must_have=trainable)
+
+    def load_own_checkpoint(self, model: Any, directory: str | os.PathLike) -> None:
+        self.load_checkpoint(model, directory)
+
+    def save_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        self.save_checkpoint(self.engine, directory / "deepspeed")
+        return True
+
+    def load_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        self.load_checkpoint(self.engine, directory / "deepspeed")
+        return True
+
     def save_checkpoint(
         self, engine: Any, directory: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
     ) -> Path:
@@ -279,7 +378,7 @@ class DeepSpeedStrategy(Strategy):
         """Restore what :meth:`save_checkpoint` wrote (all ranks); returns its ``client_state``."""
         engine = self._engine(engine)
         directory = Path(directory)
-        if tag is None and not (directory / "latest").is_file():
+        if tag is None and not (directory / LATEST).is_file():
             raise ConfigError(
                 f"no DeepSpeed checkpoint in {directory}: it has no 'latest' file (pass the tag, e.g. 'global_step10')"
             )
@@ -318,6 +417,23 @@ class DeepSpeedStrategy(Strategy):
         if self._owns_group:
             _destroy_group()
         self._owns_group = False
+
+
+def saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], set[str]] | None:
+    """Full shapes of the parameters in a DeepSpeed checkpoint (read ``weights_only``), and the trainable names.
+
+    None when the checkpoint has no model-states file to read them from.
+    """
+    root = Path(directory)
+    tag = (root / LATEST).read_text(encoding="utf-8").strip()
+    files = sorted((root / tag).glob("*model_states.pt"))
+    if not files:
+        return None
+    saved = load_deepspeed_file(files[0])
+    groups = saved.get("param_shapes") or []
+    trainable = {name: list(shape) for group in groups for name, shape in group.items()}
+    frozen = {name: list(shape) for name, shape in (saved.get("frozen_param_shapes") or {}).items()}
+    return {**frozen, **trainable}, set(trainable)
 
 
 def _destroy_group() -> None:

@@ -11,14 +11,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ...checkpointing import loop_state
+from ...checkpointing import sharded as sharded_checkpoint
 from ...errors import ConfigError
 from ..fsdp_config import FSDPSettings
 from ..state import DistributedType, DistState
@@ -63,7 +67,8 @@ class FSDPStrategy(Strategy):
     """Shards each wrap unit (decoder layers by default), then the root, with ``fully_shard``."""
 
     name = "fsdp"
-    sharded_checkpoints = True
+    title = "FSDP"
+    option_names = ("settings", "mixed_precision")
 
     def __init__(
         self, state: DistState, settings: FSDPSettings | dict | None = None, mixed_precision: str = "no", **_: Any
@@ -205,6 +210,41 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device_type, **kwargs)
+
+    # -- state dicts and checkpoints (torch.distributed.checkpoint: every rank writes its shards) --------------
+    def shards_model(self, model: Any) -> bool:
+        return model is not None and is_sharded(model)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return sharded_checkpoint.full_state_dict(model)
+
+    def export_model(
+        self, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_size: str | int, is_main_process: bool
+    ) -> None:
+        """Gathered one tensor at a time and written by the main process: the model is never whole on one rank."""
+        unwrapped = self.unwrap(model)
+        if not is_sharded(unwrapped):
+            return super().export_model(
+                model, directory, max_shard_size=max_shard_size, is_main_process=is_main_process
+            )
+        stats = sharded_checkpoint.export_consolidated(
+            unwrapped, directory, max_shard_size=max_shard_size, is_main_process=is_main_process
+        )
+        logger.info("saved the consolidated model to %s (%d file(s))", directory, stats["files"])
+
+    def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
+        sharded_checkpoint.save_model(model, directory)
+
+    def save_checkpoint_optimizer(self, model: Any, optimizer: Any, directory: str | os.PathLike) -> None:
+        sharded_checkpoint.save_optimizer(model, optimizer, directory)
+
+    def save_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        loop_state.save_sharded(directory, models, optimizers)
+        return True
+
+    def load_training_state(self, directory: Path, models: list[Any], optimizers: list[Any]) -> bool:
+        loop_state.load_sharded(directory, models, optimizers)
+        return True
 
 
 @contextlib.contextmanager

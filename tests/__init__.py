@@ -1,0 +1,1 @@
+"""The test suite, a package: helpers import as ``tests.helpers.*``, rank jobs start as ``python -m tests.…``."""

@@ -1,0 +1,350 @@
+"""Whole-state checkpoints for hand-written loops: models, optimizers, schedulers, scaler, RNG, loaders.
+
+Every rank calls ``save_state``/``load_state``. A save goes into a fresh sibling folder: the main process
+writes the shared files, each rank its own RNG and dataloader position; the files are fsynced, a ``COMPLETE``
+marker (sizes, checksums) is written last, and only then does the folder take the place of the previous
+checkpoint, which is removed after. A save that fails leaves the previous checkpoint as it was.
+``load_state`` verifies a checkpoint as the Trainer's resume does (every rank, all agreeing) before loading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import ConfigError
+from ..saving import tied_groups, unique_state_dict
+from . import sharded as sharded_checkpoint
+from .marker import (
+    COMPLETE,
+    CheckpointError,
+    flush_tree,
+    fsync_dir,
+    read_marker,
+    remove_marker,
+    write_marker,
+)
+from .together import own_checksums, verify_together
+
+__all__ = ["COMPLETE", "load_state", "save_state"]
+logger = logging.getLogger(__name__)
+
+
+def _staging(final: Path) -> Path:
+    return final.parent / f".{final.name}.saving"
+
+
+def _replaced(final: Path) -> Path:
+    return final.parent / f".{final.name}.replaced"
+
+
+def _check_replaceable(final: Path) -> None:
+    """ConfigError unless ``final`` is absent, empty or a complete checkpoint holding only what it lists.
+
+    A save replaces the whole folder: anything else in it would be lost.
+    """
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise ConfigError(f"{str(final)!r} is a file; save_state needs a folder: pick another output_dir")
+    present = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != COMPLETE}
+    body = read_marker(final)
+    listed = set((body or {}).get("files") or ())
+    others = sorted(present - listed)
+    if others:
+        raise ConfigError(
+            f"{str(final)!r} holds files that are not part of a complete checkpoint ({', '.join(others[:3])}"
+            f"{' ...' if len(others) > 3 else ''}); save_state replaces the whole folder, so it refuses: move them "
+            "or pick another output_dir"
+        )
+
+
+def _recover(final: Path) -> None:
+    """Finish a swap that a crash interrupted (main process, before a save): the newest complete folder wins."""
+    staging, replaced = _staging(final), _replaced(final)
+    if not final.exists():
+        for candidate in (staging, replaced):
+            if read_marker(candidate) is not None:
+                os.replace(candidate, final)
+                fsync_dir(final.parent)
+                break
+    for leftover in (staging, replaced):
+        if leftover.exists():
+            remove_marker(leftover)
+            shutil.rmtree(leftover)
+
+
+def _swap_in(staging: Path, final: Path) -> None:
+    """Put the committed ``staging`` folder in the place of ``final``; the previous one goes only after."""
+    replaced = _replaced(final)
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    fsync_dir(final.parent)
+    if replaced.exists():
+        remove_marker(replaced)
+        shutil.rmtree(replaced)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator's state as tensors, ints and strings: loadable with ``weights_only=True``."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _load(path: Path, **kwargs: Any) -> Any:
+    """``torch.load`` with ``weights_only=True``: a file that needs arbitrary unpickling is refused."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(
+            f"{str(path)!r} holds objects that only a full unpickle could rebuild (it could run code); "
+            f"refused. Save plain tensors/numbers in state_dict() ({' '.join(str(error).split())[:200]})"
+        ) from error
+
+
+def save_state(
+    directory: str | os.PathLike,
+    state: Any,
+    *,
+    models: list[torch.nn.Module],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    scaler: Any = None,
+    custom: list[Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    strategy: Any = None,
+) -> Path:
+    """Write a checkpoint of everything passed (models already unwrapped) into ``directory``.
+
+    ``strategy`` (the engine's) may write models and optimizers in its own way on every rank (FSDP: its shards
+    with ``torch.distributed.checkpoint``, nothing gathered; DeepSpeed: the engine's checkpoint); otherwise the
+    main process writes them whole.
+    """
+    final = Path(directory)
+    _check_replaceable(final)  # every rank decides alike (the same files): none goes on alone
+    out = _staging(final)
+
+    def stage() -> None:
+        if state.is_main_process:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _recover(final)
+            out.mkdir()
+
+    def write() -> None:
+        whole = (models, optimizers)
+        if strategy is not None and strategy.save_training_state(out, models, optimizers):
+            whole = ([], [])  # written by the strategy
+        if state.is_main_process:
+            _write_shared(out, *whole, schedulers, custom or [], scaler, extra or {})
+        per_rank = {
+            "rng": _rng_state(state.device),
+            "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
+        }
+        torch.save(per_rank, out / f"rank_{state.process_index}.pt")
+        flush_tree(out)  # the data reaches the disk before the marker can
+
+    def commit() -> None:
+        crcs = own_checksums(out)  # collective: every rank checksums its own files
+        if state.is_main_process:
+            write_marker(out, world_size=state.num_processes, crcs=crcs)
+            _swap_in(out, final)
+
+    _together(state, "preparing", stage)
+    _together(state, "writing", write)
+    _together(state, "committing", commit)
+    return final
+
+
+def _write_shared(
+    out: Path,
+    models: list[Any],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    custom: list[Any],
+    scaler: Any,
+    extra: dict[str, Any],
+) -> None:
+    """The files only the main process writes: whole models/optimizers (those given), schedulers, the rest."""
+    for i, model in enumerate(models):
+        save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+    for i, optimizer in enumerate(optimizers):
+        torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
+    for i, scheduler in enumerate(schedulers):
+        torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
+    for i, obj in enumerate(custom):
+        torch.save(obj.state_dict(), out / f"custom_{i}.bin")
+    if scaler is not None:
+        torch.save(scaler.state_dict(), out / "scaler.pt")
+    (out / "state.json").write_text(json.dumps(extra, indent=1))
+
+
+def _together(state: Any, stage: str, work: Any) -> None:
+    """Run ``work`` on every rank, then agree: if it failed anywhere, every rank raises (none waits for a dead one).
+
+    The rank that failed re-raises its own error; the others raise a CheckpointError naming the ranks and errors.
+    """
+    error: BaseException | None = None
+    try:
+        work()
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        error = exc
+    failures = [f"rank {state.process_index}: {error!r}"] if error is not None else []
+    if state.num_processes > 1:
+        gathered: list[Any] = [None] * state.num_processes
+        torch.distributed.all_gather_object(gathered, failures)
+        failures = [line for lines in gathered for line in lines]
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointError(f"save_state failed while {stage} the checkpoint on " + "; ".join(failures))
+
+
+def _complete(final: Path) -> Path:
+    """``final``, or the complete folder a crash during the swap left beside it (saying so)."""
+    if (final / COMPLETE).exists():
+        return final
+    for candidate in (_staging(final), _replaced(final)):
+        if (candidate / COMPLETE).exists():
+            logger.warning(
+                "load_state: %s is missing or incomplete (a save was interrupted while replacing it); loading the "
+                "complete copy %s",
+                final,
+                candidate,
+            )
+            return candidate
+    raise ConfigError(
+        f"{str(final)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
+        "saving); pick another checkpoint directory"
+    )
+
+
+def load_state(
+    directory: str | os.PathLike,
+    state: Any,
+    *,
+    models: list[torch.nn.Module],
+    optimizers: list[Any],
+    schedulers: list[Any],
+    dataloaders: list[Any],
+    scaler: Any = None,
+    custom: list[Any] | None = None,
+    strategy: Any = None,
+) -> dict[str, Any]:
+    """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
+    src = _complete(Path(directory))
+    try:
+        # sizes, checksums, safe headers; the ranks of a node share the reading
+        verify_together(src, part=state.topology.node_share)
+    except CheckpointError as error:
+        raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
+    saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
+    if saved_ranks != state.num_processes:
+        raise ConfigError(
+            f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
+            f"with {saved_ranks} processes"
+        )
+    if strategy is not None and strategy.load_training_state(src, models, optimizers):
+        models, optimizers = [], []  # loaded by the strategy
+    elif sharded_checkpoint.has_sharded_model(src / "model_0"):  # saved sharded, loaded into whole models
+        load_sharded(src, models, optimizers)
+        models, optimizers = [], []
+    for i, model in enumerate(models):
+        missing, unexpected = model.load_state_dict(load_file(str(src / f"model_{i}.safetensors")), strict=False)
+        tied = {name for name in missing if _is_tied(model, name)}
+        if set(missing) - tied or unexpected:
+            raise ConfigError(
+                f"model {i} does not match the checkpoint: missing {sorted(set(missing) - tied)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    location = state.device
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(_load(src / f"optimizer_{i}.bin", map_location=location))
+    for i, scheduler in enumerate(schedulers):
+        scheduler.load_state_dict(_load(src / f"scheduler_{i}.bin"))
+    for i, obj in enumerate(custom or []):
+        obj.load_state_dict(_load(src / f"custom_{i}.bin"))
+    if scaler is not None and (src / "scaler.pt").exists():
+        scaler.load_state_dict(_load(src / "scaler.pt"))
+    per_rank = _load(src / f"rank_{state.process_index}.pt")
+    _set_rng_state(per_rank["rng"], state.device)
+    for dl, position in zip(dataloaders, per_rank["dataloaders"], strict=False):
+        if position is not None and hasattr(dl, "load_state_dict"):
+            dl.load_state_dict(position)
+    return json.loads((src / "state.json").read_text())
+
+
+def save_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> None:
+    """Every rank: each model's and optimizer's shards (``model_<i>/``, ``optimizer_<i>/``), nothing gathered."""
+    for i, model in enumerate(models):
+        sharded_checkpoint.save_model(model, directory / f"model_{i}")
+    for i, optimizer in enumerate(optimizers):
+        sharded_checkpoint.save_optimizer(_owner(optimizer, models), optimizer, directory / f"optimizer_{i}")
+
+
+def load_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> None:
+    """Every rank: what :func:`save_sharded` wrote, resharded to these models (sharded or whole)."""
+    for i, model in enumerate(models):
+        sharded_checkpoint.load_model(model, directory / f"model_{i}")
+    for i, optimizer in enumerate(optimizers):
+        sharded_checkpoint.load_optimizer(_owner(optimizer, models), optimizer, directory / f"optimizer_{i}")
+
+
+def _owner(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module:
+    """The model whose parameters ``optimizer`` updates (its shards are keyed by that model's names)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise ConfigError("an optimizer updates none of the prepared models' parameters; prepare its model too")
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    """True when ``name`` holds the same tensor as another entry of the state dict (saved once)."""
+    return any(name in names for names in tied_groups(model.state_dict()))
+
+
+def latest_state(root: Path) -> Path:
+    """The ``save_state`` folder under ``root`` committed last (by its ``COMPLETE`` marker); a clear error if none."""
+    found = [d for d in root.iterdir() if (d / COMPLETE).is_file()] if root.is_dir() else []
+    if not found:
+        raise ConfigError(
+            f"load_state(): no complete checkpoint under {str(root)!r}; call save_state() first, or pass the "
+            "checkpoint directory"
+        )
+    newest = max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))
+    # a save interrupted while swapping folders leaves ".NAME.saving" / ".NAME.replaced": load NAME, whose
+    # loader finds that complete copy and says so
+    for suffix in (".saving", ".replaced"):
+        if newest.name.startswith(".") and newest.name.endswith(suffix):
+            return newest.with_name(newest.name[1 : -len(suffix)])
+    return newest

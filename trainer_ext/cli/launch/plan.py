@@ -1,0 +1,105 @@
+"""The plan of a launch: the exact command, the variables it adds to the environment, and the dry-run report.
+
+Several processes, or one with ``--max_restarts``, go through ``torch.distributed.run``: one machine meets on
+loopback (c10d, a free port), several at the main address. One process otherwise is started directly.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+
+from ... import env_vars
+from .fsdp import FSDPPreview, preview_fsdp
+from .settings import Settings
+from .target import Target
+from .train_args import DeepSpeedPreview, preview_deepspeed, translate_for_script, translate_for_train
+
+RDZV_ID = "trainer_ext"
+
+
+@dataclass
+class Plan:
+    """The exact command, the variables it adds to the environment, and what the dry run should say."""
+
+    command: list[str]
+    env: dict[str, str]
+    torchrun_args: list[str] | None
+    notes: list[str]
+    deepspeed: DeepSpeedPreview | None = None
+    fsdp: FSDPPreview | None = None
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def rendezvous_args(s: Settings) -> list[str]:
+    """torchrun's rendezvous options: c10d on loopback for one machine, the main address for several."""
+    host, port, backend = s["main_process_ip"], s["main_process_port"], s["rdzv_backend"]
+    timeout = s["rdzv_timeout"]
+    if backend == "static":
+        args = ["--rdzv_backend", "static", "--node_rank", str(s["machine_rank"])]
+        args += ["--master_addr", host, "--master_port", str(port)]
+        return args + (["--rdzv_conf", f"timeout={timeout}"] if timeout else [])
+    args = ["--rdzv_backend", backend, "--rdzv_endpoint", _endpoint(host, port), "--rdzv_id", RDZV_ID]
+    if s["num_machines"] == 1:
+        args += ["--local_addr", "127.0.0.1"]  # the processes' MASTER_ADDR: loopback, not the host name
+    return args + (["--rdzv_conf", f"join_timeout={timeout}"] if timeout else [])
+
+
+def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
+    """The command and environment for ``target`` under settings ``s`` (``strategy=False``: DDP only)."""
+    notes: list[str] = []
+    deepspeed = fsdp = None
+    if target.kind == "train":
+        user_args = target.args
+        target, env = translate_for_train(s, target, notes, strategy)
+        if strategy:
+            deepspeed = preview_deepspeed(s, user_args, target.args)
+            notes += deepspeed.notes if deepspeed else []
+            fsdp = preview_fsdp(s, user_args, target.args)
+            notes += fsdp.notes if fsdp else []
+    else:
+        env = translate_for_script(s, target, notes, strategy)
+    if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
+        env[env_vars.CUDA_VISIBLE_DEVICES] = s["gpu_ids"]
+    if s["debug"]:
+        env[env_vars.TORCH_DISTRIBUTED_DEBUG] = "DETAIL"
+    if int(s["max_restarts"] or 0) > 0:
+        # restarted workers otherwise reuse the agent's store and look up the dead attempt's addresses
+        env.setdefault(env_vars.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
+    if s.world_size == 1 and not s["max_restarts"]:
+        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
+    torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
+    torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])]
+    if target.kind == "script":
+        torchrun += [target.name, *target.args]
+    else:
+        torchrun += target.python_argv()
+    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed, fsdp)
+
+
+def describe(settings: Settings, plan: Plan) -> str:
+    """The dry-run report: settings with sources, notes, and the exact command."""
+    lines = [f"config file: {settings.config_file}", "resolved launch settings (value, then where it came from):"]
+    lines.append(settings.table())
+    if plan.deepspeed is not None:
+        lines += _describe_deepspeed(plan.deepspeed)
+    if plan.fsdp is not None:
+        lines += plan.fsdp.lines()
+    notes = settings.notes + plan.notes
+    if notes:
+        lines += ["notes:"] + [f"  - {n}" for n in notes]
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
+    lines += ["command:", "  " + (prefix + " " if prefix else "") + shlex.join(plan.command)]
+    return "\n".join(lines)
+
+
+def _describe_deepspeed(preview: DeepSpeedPreview) -> list[str]:
+    """The DeepSpeed config as ``train`` will start with it, and the values its ``"auto"`` keys took."""
+    lines = [f'DeepSpeed config {preview.source}, "auto" values resolved from the launch and train arguments:']
+    lines += ["  " + line for line in json.dumps(preview.config, indent=2).splitlines()]
+    return lines + ["  resolved from:"] + [f"    {line}" for line in preview.inputs]

@@ -1,0 +1,97 @@
+"""The one reader of YAML/JSON config files: a mapping of keys to values, or one ConfigError that says what is wrong.
+
+Every config file of trainer_ext goes through here (``train --config``, launch configs, FSDP and DeepSpeed
+configs), so each says the same thing about the same mistake. ``.json`` files are JSON, every other file YAML;
+a caller may insist on one format (DeepSpeed configs are JSON whatever their name). Errors name ``what`` the
+file is for and the path: "--config run.yaml is not valid YAML: ...".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+JSON, YAML = "JSON", "YAML"
+
+
+def file_format(path: str | os.PathLike) -> str:
+    """JSON for a ``.json`` file (any case), YAML for every other (YAML also reads most JSON)."""
+    return JSON if os.fspath(path).lower().endswith(".json") else YAML
+
+
+def load_mapping(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    fmt: str | None = None,
+    suffixes: Sequence[str] | None = None,
+    unique_keys: bool = False,
+    hint: str = "",
+) -> dict[str, Any]:
+    """The mapping in the YAML or JSON file ``path`` (``~`` expanded); an empty file is ``{}``.
+
+    ``what`` names the file in messages (e.g. ``"--config"``, ``"DeepSpeed config"``); ``fmt`` forces JSON or
+    YAML; ``suffixes`` refuses other file types; ``unique_keys`` refuses a JSON key given twice (which JSON
+    parsers otherwise resolve silently, last one wins); ``hint`` is added to the message for a missing file.
+    """
+    file = Path(path).expanduser()
+    name = f"{what} {os.fspath(path)}"
+    if suffixes is not None and not file.name.lower().endswith(tuple(suffixes)):
+        raise ConfigError(f"{name}: unsupported file type; use {', '.join(suffixes)}")
+    if not file.exists():
+        raise ConfigError(f"{name} does not exist (no such file){hint}")
+    if file.is_dir():
+        raise ConfigError(f"{name} is a directory, not a config file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ConfigError(f"{name} cannot be read: {why}") from None
+    return parse_mapping(text, name, fmt=fmt or file_format(file), unique_keys=unique_keys)
+
+
+def parse_mapping(text: str, what: str, *, fmt: str = YAML, unique_keys: bool = False) -> dict[str, Any]:
+    """The mapping in YAML or JSON ``text`` (inline JSON from a flag, or a file's contents) named ``what``."""
+    if fmt == JSON:
+        hook = _refuse_duplicate_keys if unique_keys else None
+        try:
+            data = json.loads(text, object_pairs_hook=hook)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"{what} is not valid JSON: line {error.lineno}, column {error.colno}: {error.msg}"
+            ) from None
+        except _DuplicateKey as error:
+            raise ConfigError(f"{what} is not valid: duplicate key {error.key!r}; keep one of them") from None
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{what} is not valid YAML: {' '.join(str(error).split())}") from None
+    if data is None and fmt == YAML:
+        return {}
+    if not isinstance(data, dict):
+        expected = "a JSON object ({...})" if fmt == JSON else "a mapping of keys to values"
+        raise ConfigError(f"{what} must hold {expected}, not {type(data).__name__}")
+    return data
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen

@@ -1,0 +1,22 @@
+"""The environment variables ``trainer-ext launch`` exports to the processes it starts, named once.
+
+The launcher writes them (``trainer_ext.cli.launch``); the code inside the processes reads ours back
+(:class:`trainer_ext.Accelerator`; transformers' TrainingArguments reads ``ACCELERATE_MIXED_PRECISION`` into
+``args.mixed_precision``). The topology variables torchrun sets (RANK, WORLD_SIZE, ...) belong to torchrun and
+are read in ``trainer_ext.distributed.state``.
+"""
+
+from __future__ import annotations
+
+# ours, for a user's script or module (``train`` gets flags instead)
+MIXED_PRECISION = "ACCELERATE_MIXED_PRECISION"  # accelerate's name, so transformers' TrainingArguments reads it
+GRADIENT_ACCUMULATION_STEPS = "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"
+# where the launcher looks for its config file when --config_file is not given
+CONFIG_FILE = "TRAINER_EXT_CONFIG_FILE"
+
+# torch's, set by the launcher when asked for
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+TORCH_DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# torchrun's, removed from a single process started directly (it must not join another job's group)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -1,0 +1,219 @@
+"""Trainer overrides that make checkpoints atomic, resume pick the newest complete one, and preemption save.
+
+transformers writes ``checkpoint-N`` from several ranks and rotates before the other ranks have finished;
+here every save is committed by a marker (sizes, checksums) written after a barrier, rotation runs after the
+commit and counts only complete checkpoints, and resume verifies what it loads on every rank, which agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .callbacks.duties import DutyCallbackHandler
+from .checkpointing import marker, together
+from .checkpointing import sharded as sharded_checkpoint
+from .checkpointing.preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
+from .checkpointing.resume import AUTO, resume_request
+from .distributed.strategies import checkpoint_owner
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _barrier(trainer: Any) -> None:
+    trainer.accelerator.state.wait_for_everyone()
+
+
+class CheckpointingMixin:
+    """Mix in before ``transformers.Trainer``: atomic checkpoints, verified resume, preemption."""
+
+    _preemption: PreemptionCallback | None = None
+    _rotation_limit: int | None = None
+
+    def _install_preemption(self) -> PreemptionCallback | None:
+        """The preemption handler when ``save_on_preemption`` is set (a duty, or the user's listed instance)."""
+        handler = self.callback_handler
+        found = handler.duty(PreemptionCallback) if isinstance(handler, DutyCallbackHandler) else None
+        if (
+            found is None
+            and isinstance(handler, DutyCallbackHandler)
+            and getattr(self.args, "save_on_preemption", False)
+        ):
+            grace = getattr(self.args, "preemption_grace_seconds", 30.0)
+            every = getattr(self.args, "preemption_check_steps", 1)
+            found = PreemptionCallback(grace, every)
+            handler.add_duty(found)
+        self._preemption = found
+        return found
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train`` with ``True``/``"auto"``/``"latest"`` resolved to the newest complete checkpoint."""
+        resume = self.resolve_resume(resume_from_checkpoint)
+        preemption = self._install_preemption()
+        self._rotation_limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
+        try:
+            result = super().train(resume, *args, **kwargs)
+        finally:
+            self.args.save_total_limit, self._rotation_limit = self._rotation_limit, None
+            if preemption is not None and preemption.preempted_at is None:
+                preemption.flag.restore()  # also when train() raised: SIGTERM must kill the process again
+        if preemption is not None and preemption.preempted_at is not None:
+            code = getattr(self.args, "preemption_exit_code", DEFAULT_EXIT_CODE)
+            logger.warning(
+                "preempted: checkpoint-%d is saved; exiting with code %d (resume with --resume_from_checkpoint auto)",
+                preemption.preempted_at,
+                code,
+            )
+            raise Preempted(code)
+        return result
+
+    def resolve_resume(self, value: str | bool | None) -> str | None:
+        """The checkpoint to resume from: ``True``/"true"/"latest" = the newest complete one (ValueError if none),
+        ``"auto"`` = the same or None, a path = that checkpoint, verified (ValueError when it does not exist)."""
+        value = resume_request(value)
+        if value is None:
+            return None
+        if value is True or value == AUTO:
+            chosen, skipped = together.newest_complete_together(self.args.output_dir, part=self._verify_part())
+            for line in skipped:
+                logger.warning("resume: skipping %s", line)
+            if chosen is None:
+                if value is True:
+                    # transformers' words first: scripts match them
+                    raise ConfigError(
+                        f"No valid checkpoint found in output directory ({self.args.output_dir}): no complete "
+                        "checkpoint-N folder to resume from"
+                        + (f" ({'; '.join(skipped)})" if skipped else "")
+                        + ". Pass resume_from_checkpoint='auto' to start fresh when there is none"
+                    )
+                logger.warning("resume: no complete checkpoint in %s, starting from scratch", self.args.output_dir)
+                return None
+            logger.warning("resume: from %s, the newest complete checkpoint", chosen)
+            path = str(chosen)
+        else:
+            path = value
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"Can't find a valid checkpoint at {path}: no such directory. Pass a checkpoint-N folder, "
+                    "True (or 'true', 'latest') for the newest complete checkpoint in output_dir, or 'auto' "
+                    "(that one if any, else start fresh)"
+                )
+            try:
+                found = together.verify_together(path, require_marker=False, part=self._verify_part())
+            except marker.CheckpointError as error:
+                raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
+            if not found:
+                logger.warning(
+                    "resume: %s has no %s marker (not saved by trainer_ext); verified its files", path, marker.COMPLETE
+                )
+        self._check_compatible(Path(path))
+        return path
+
+    def _verify_part(self) -> tuple[int, int]:
+        """This rank's share of the checksum reading: its index among the ranks of its node."""
+        topology = getattr(getattr(self.accelerator, "state", None), "topology", None)
+        return (0, 1) if topology is None else topology.node_share
+
+    def _batch_facts(self) -> dict[str, int]:
+        """What fixes the data position of a step: the per-rank micro-batch and the global batch."""
+        args = self.args
+        micro = args.per_device_train_batch_size
+        return {
+            "micro_batch_size": micro,
+            "global_batch_size": micro * args.gradient_accumulation_steps * args.world_size,
+        }
+
+    def _check_compatible(self, path: Path) -> None:
+        """Refuse a checkpoint of another model, or of another world size unless the batches line up."""
+        facts = marker.read_marker(path) or {}
+        saved = facts.get("world_size")
+        if saved is not None and saved != self.args.world_size and facts.get("strategy") == "deepspeed":
+            raise ConfigError(
+                f"{path.name} is a DeepSpeed checkpoint of {saved} processes and this run has "
+                f"{self.args.world_size}: resume DeepSpeed with the same number of processes"
+            )
+        if saved is not None and saved != self.args.world_size:
+            now = self._batch_facts()
+            if any(facts.get(k) != v for k, v in now.items()):
+                raise ConfigError(
+                    f"{path.name} was saved by {saved} processes, this run has {self.args.world_size}. A run moves to "
+                    "another number of processes only with the same per-device batch and the same global batch "
+                    f"(per_device_train_batch_size x gradient_accumulation_steps x processes): saved "
+                    f"{facts.get('micro_batch_size', '?')} / {facts.get('global_batch_size', '?')}, now "
+                    f"{now['micro_batch_size']} / {now['global_batch_size']}. Adjust --gradient_accumulation_steps, "
+                    f"or start a new run from its weights (--model_name_or_path {path})"
+                )
+            logger.warning(
+                "resume: %s was saved by %d processes, this run has %d: same batches, so the data position carries "
+                "over; the per-rank random streams (dropout) start afresh",
+                path.name,
+                saved,
+                self.args.world_size,
+            )
+        if self.model is None:
+            return
+        expected_model = self.accelerator.unwrap_model(self.model)
+        owner = checkpoint_owner(path)
+        if owner is not None:  # a backend's own format (DeepSpeed's): the backend knows what it holds
+            owner.check_own_checkpoint(expected_model, path)
+            return
+        if sharded_checkpoint.has_sharded_model(path):
+            sharded_checkpoint.check_model_matches(expected_model, path)
+            return
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            return
+        header = marker.check_safetensors(weights)
+        saved = {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+        # shapes of parameters only: a model's own load_state_dict may legitimately resize its buffers
+        expected = {k: saved.get(k, list(v.shape)) for k, v in expected_model.state_dict().items()}
+        expected |= {k: list(v.shape) for k, v in expected_model.named_parameters(remove_duplicate=False)}
+        sharded_checkpoint.check_shapes(path.name, saved, expected, must_have=())
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process)."""
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            marker.remove_marker(folder)  # an older save of the same step is no longer complete
+        _barrier(self)
+        given = self.args.save_total_limit  # None inside train(), which keeps the limit in _rotation_limit
+        limit = given if given is not None else self._rotation_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = given
+        marker.flush_tree(folder)  # this rank's data reaches the disk before the marker can
+        _barrier(self)  # every rank's files are written
+        crcs = together.own_checksums(folder)  # each rank reads back the per-rank files it wrote
+        if self.args.should_save:
+            marker.write_marker(
+                folder,
+                world_size=self.args.world_size,
+                step=self.state.global_step,
+                strategy=self.accelerator.strategy.name,
+                crcs=crcs,
+                **self._batch_facts(),
+            )
+            removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
+            for path in removed:
+                logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
+        _barrier(self)
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's loader; with ``save_on_preemption`` its workers leave SIGTERM/SIGUSR1 to the trainer."""
+        loader = super().get_train_dataloader()
+        if (
+            self._preemption is not None
+            and getattr(loader, "num_workers", 0) > 0
+            and not isinstance(loader.worker_init_fn, WorkerInit)
+        ):
+            wrapped = WorkerInit(loader.worker_init_fn)
+            loader.worker_init_fn = wrapped
+            if isinstance(getattr(loader, "_loader_kwargs", None), dict):
+                loader._loader_kwargs["worker_init_fn"] = wrapped
+        return loader
