@@ -103,22 +103,14 @@ def saved_tensors(folder: str | os.PathLike, weights_file: str = MODEL_FILE) -> 
 def _compare(
     folder: Path, expected: dict[str, tuple[int, ...]], tied: dict[str, set[str]], weights_file: str
 ) -> list[str]:
-    """What is missing, unexpected or of the wrong shape in one folder's weights."""
+    """What is missing, unexpected or of the wrong shape in one folder's weights (a tied name may be absent when
+    one of its group is saved: ``save_pretrained`` keeps one copy)."""
     try:
         saved = saved_tensors(folder, weights_file)
     except SavedModelMismatchError as e:
         return [str(e)]
-    missing = sorted(k for k in expected.keys() - saved.keys() if not tied.get(k, set()) & saved.keys())
-    extra = sorted(saved.keys() - expected.keys())
-    common = expected.keys() & saved.keys()
-    wrong = sorted(
-        f"{k}: saved {list(saved[k])}, model {list(expected[k])}" for k in common if saved[k] != expected[k]
-    )
-    return [
-        f"{label} ({len(items)}): {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
-        for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong))
-        if items
-    ]
+    must_have = [k for k in expected if k in saved or not tied.get(k, set()) & saved.keys()]
+    return sharded_checkpoint.shape_problems(saved, expected, must_have)
 
 
 def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:

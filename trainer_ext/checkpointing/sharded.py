@@ -75,24 +75,34 @@ def saved_shapes(directory: str | os.PathLike) -> dict[str, list[int]]:
     return {k: list(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def check_shapes(
-    label: str, saved: dict[str, list[int]], expected: dict[str, list[int]], must_have: Iterable[str] | None = None
-) -> None:
-    """ConfigError naming what differs when ``saved`` (names to full shapes) is not ``expected``'s model.
+def shape_problems(
+    saved: dict[str, Any], expected: dict[str, Any], must_have: Iterable[str] | None = None
+) -> list[str]:
+    """What differs between ``saved`` and ``expected`` (names to shapes), one line per kind; empty when they match.
 
-    ``must_have``: the names the checkpoint must hold (default: all of ``expected``).
+    ``must_have``: the names the saved side must hold (default: all of ``expected``); the one comparison every
+    "does this checkpoint hold this model?" check uses.
     """
     required = set(expected if must_have is None else must_have)
     missing = sorted(required - saved.keys())
     unknown = sorted(saved.keys() - expected.keys())
     wrong = [
-        f"{k} {saved[k]} vs {expected[k]}" for k in sorted(expected.keys() & saved.keys()) if saved[k] != expected[k]
+        f"{k} {list(saved[k])} vs {list(expected[k])}"
+        for k in sorted(expected.keys() & saved.keys())
+        if list(saved[k]) != list(expected[k])
     ]
-    problems = [
+    return [
         f"{kind}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
         for kind, items in (("shapes differ", wrong), ("missing tensors", missing), ("unknown tensors", unknown))
         if items
     ]
+
+
+def check_shapes(
+    label: str, saved: dict[str, list[int]], expected: dict[str, list[int]], must_have: Iterable[str] | None = None
+) -> None:
+    """ConfigError naming what differs when ``saved`` (names to full shapes) is not ``expected``'s model."""
+    problems = shape_problems(saved, expected, must_have)
     if problems:
         raise ConfigError(f"{label} holds another model: " + "; ".join(problems))
 
