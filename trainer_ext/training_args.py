@@ -16,7 +16,7 @@ import transformers
 from transformers.training_args import ParallelMode
 
 from . import _compat
-from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs, register_with_transformers
+from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .distributed.fsdp_config import fsdp_requested, normalized_config, parse_fsdp
 from .distributed.rules import check_precision, check_world
 from .distributed.state import DistributedType, DistState
@@ -142,10 +142,7 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its device once
         config = DeepSpeedConfig(self.deepspeed).resolve(DeepSpeedInputs.from_training_args(self, self.world_size))
-        if config.is_zero3():  # zero.Init in from_pretrained reads the world from DeepSpeed's communication
-            DeepSpeedStrategy(self.distributed_state, config).register_with_transformers()
-        else:
-            register_with_transformers(config)
+        DeepSpeedStrategy(self.distributed_state, config).register_with_transformers()  # communication starts lazily
         return config
 
     def _process_fsdp_args(self) -> dict | None:

@@ -16,6 +16,8 @@ from .errors import ConfigError
 
 TRUE_WORDS = ("true", "yes", "on", "1", "y", "t")
 FALSE_WORDS = ("false", "no", "off", "0", "n", "f")
+# the mixed-precision modes, as accelerate spells them (launch config files, --mixed_precision, the engine)
+MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 
 UNITS = {
     "": 1,

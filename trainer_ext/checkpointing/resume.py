@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 
+from ..values import FALSE_WORDS, TRUE_WORDS
+
 AUTO = "auto"
-NEWEST_WORDS = ("true", "yes", "1", "latest", "last")
-NO_WORDS = ("false", "no", "0", "none", "")
+# the one boolean vocabulary (values.py), plus what only a resume request can mean
+NEWEST_WORDS = (*TRUE_WORDS, "latest", "last")
+NO_WORDS = (*FALSE_WORDS, "none", "")
 
 
 def resume_request(value: str | os.PathLike | bool | None) -> bool | str | None:

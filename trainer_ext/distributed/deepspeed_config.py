@@ -18,7 +18,8 @@ import copy
 import json
 import math
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,6 +344,11 @@ class DeepSpeedConfig:
     def __init__(self, config_or_source: str | os.PathLike | dict, source: str | None = None) -> None:
         self.config = load_deepspeed_config(config_or_source)
         self.source = source or (None if isinstance(config_or_source, dict) else os.fspath(config_or_source))
+        self._transformers_view: _TransformersView | None = None  # set by register_with_transformers
+
+    def __getstate__(self) -> dict:
+        """Pickle and copy without the registration (a copy is not what transformers sees)."""
+        return {**self.__dict__, "_transformers_view": None}
 
     # -- transformers' HfDeepSpeedConfig API
     def find_config_node(self, ds_key_long: str) -> tuple[dict | None, str]:
@@ -424,17 +430,50 @@ class DeepSpeedConfig:
         return f"DeepSpeedConfig(stage={self.stage}, offload={self.is_offload()}, source={self.source!r})"
 
 
-def register_with_transformers(config: DeepSpeedConfig) -> None:
+class _TransformersView:
+    """What transformers' ``is_deepspeed_zero3_enabled``/``deepspeed_config`` read: our config, plus a hook
+    run on the first query that answers ZeRO-3, so DeepSpeed communication starts when transformers first
+    needs it (``zero.Init`` in ``from_pretrained``), not when the arguments are built."""
+
+    def __init__(self, config: DeepSpeedConfig, on_first_zero3_query: Callable[[], object] | None) -> None:
+        self._config_ref = weakref.ref(config)  # the config holds this view; no cycle, so `del config` frees both
+        self._hook = on_first_zero3_query
+
+    @property
+    def _config(self) -> DeepSpeedConfig:
+        config = self._config_ref()
+        if config is None:
+            raise ReferenceError("the DeepSpeed config registered with transformers was freed")
+        return config
+
+    def is_zero3(self) -> bool:
+        zero3 = self._config.is_zero3()
+        if zero3 and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return zero3
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not yet set (copy, pickle): no recursion through self._config
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+
+def register_with_transformers(
+    config: DeepSpeedConfig, on_first_zero3_query: Callable[[], object] | None = None
+) -> None:
     """Make transformers see ``config`` (``is_deepspeed_zero3_enabled()``, ``from_pretrained`` under ZeRO-3).
 
-    transformers keeps only a weak reference: the caller must keep ``config`` alive (the Trainer's
-    arguments do). Its own ``HfDeepSpeedConfig`` needs accelerate (it subclasses accelerate's class and
-    checks its version); ``set_hf_deepspeed_config`` does not, and it is all that
+    ``on_first_zero3_query`` runs once, the first time transformers asks whether ZeRO-3 is on and it is.
+    transformers keeps only a weak reference; the registered view lives as long as ``config`` (the
+    Trainer's arguments hold it). Its own ``HfDeepSpeedConfig`` needs accelerate (it subclasses
+    accelerate's class and checks its version); ``set_hf_deepspeed_config`` does not, and it is all that
     ``is_deepspeed_zero3_enabled``/``deepspeed_config`` read, so we register our object directly.
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    hf_deepspeed.set_hf_deepspeed_config(config)
+    config._transformers_view = _TransformersView(config, on_first_zero3_query)
+    hf_deepspeed.set_hf_deepspeed_config(config._transformers_view)
 
 
 def unregister_from_transformers() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from ..values import MIXED_PRECISION
 from .collectives import recursively_apply
 
-MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 # fp8 runs its Linear layers in float8 (torchao) and everything else under bf16 autocast
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -358,6 +359,57 @@ def test_register_toggles_is_deepspeed_zero3_enabled(hf_registry) -> None:
     del zero3  # transformers holds a weak reference only
     assert not is_deepspeed_zero3_enabled()
     assert "accelerate" not in sys.modules
+
+
+def test_the_hook_runs_once_on_the_first_zero3_query_only(hf_registry) -> None:
+    from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
+
+    calls: list[str] = []
+    zero2 = DeepSpeedConfig({"zero_optimization": {"stage": 2}})
+    register_with_transformers(zero2, on_first_zero3_query=lambda: calls.append("zero2"))
+    assert not is_deepspeed_zero3_enabled() and deepspeed_config() is zero2.config
+    zero3 = DeepSpeedConfig({"zero_optimization": {"stage": 3}})
+    register_with_transformers(zero3, on_first_zero3_query=lambda: calls.append("zero3"))
+    assert calls == []  # registering starts nothing
+    assert deepspeed_config() is zero3.config and calls == []  # reading the dict is not a ZeRO-3 query
+    assert is_deepspeed_zero3_enabled() and is_deepspeed_zero3_enabled()
+    assert calls == ["zero3"]
+
+
+def test_a_registered_config_pickles_and_copies_unregistered(hf_registry) -> None:
+    import pickle
+
+    from transformers.integrations import deepspeed_config
+
+    zero3 = DeepSpeedConfig({"zero_optimization": {"stage": 3}})
+    register_with_transformers(zero3, on_first_zero3_query=lambda: None)
+    for clone in (pickle.loads(pickle.dumps(zero3)), copy.deepcopy(zero3)):  # torch.save(args) pickles it
+        assert clone.config == zero3.config and clone.is_zero3()
+    assert deepspeed_config() is zero3.config  # the original stays the registered one
+
+
+def test_training_arguments_start_deepspeed_communication_only_when_transformers_asks(tmp_path: Path) -> None:
+    """Building ZeRO-3 arguments starts no process group; transformers' first ZeRO-3 query (from_pretrained's
+    zero.Init check) does. One process without a launcher, in a child: it creates global state."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+
+    script = f"""
+import torch.distributed
+from transformers.integrations import is_deepspeed_zero3_enabled
+from trainer_ext import TrainingArguments
+args = TrainingArguments({str(tmp_path)!r}, use_cpu=True, deepspeed={str(CONFIGS / "deepspeed" / "zero3.json")!r})
+import deepspeed
+print("after arguments", torch.distributed.is_initialized(), deepspeed.comm.is_initialized())
+print("zero3", is_deepspeed_zero3_enabled())
+print("after query", torch.distributed.is_initialized(), deepspeed.comm.is_initialized())
+"""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("after", "zero3"))]
+    assert lines == ["after arguments False False", "zero3 True", "after query True True"]
 
 
 # -- the strategy's parts that need no deepspeed ----------------------------------------------------

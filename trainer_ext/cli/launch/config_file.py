@@ -18,9 +18,8 @@ from typing import Any
 from ...config_files import load_mapping
 from ...env_vars import CONFIG_FILE
 from ...errors import ConfigError, did_you_mean
-from ...values import is_true, parse_bool
+from ...values import MIXED_PRECISION, is_true, parse_bool
 
-MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
 

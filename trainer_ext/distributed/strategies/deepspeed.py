@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -131,44 +132,17 @@ class DeepSpeedStrategy(Strategy):
     # -- DeepSpeed's communication on our process group -------------------------------------------
     def deepspeed_module(self) -> Any:
         """The deepspeed module with its communication set up on our process group (idempotent)."""
-        deepspeed = import_deepspeed()
-        accelerator = deepspeed.get_accelerator().device_name()
-        if self.state.device.type != accelerator:
-            raise ConfigError(
-                f"DeepSpeed picked the {accelerator!r} accelerator but this process trains on "
-                f"{self.state.device.type!r}; set DS_ACCELERATOR={self.state.device.type} before starting"
-            )
-        # DeepSpeed (engine, zero.Init) reads the local rank from the environment only; srun and a plain
-        # `python train.py` do not set it, so hand it ours (the launcher's value when there is one)
-        local_rank = str(self.state.local_process_index)
-        if os.environ.setdefault("LOCAL_RANK", local_rank) != local_rank:
-            raise ConfigError(
-                f"LOCAL_RANK={os.environ['LOCAL_RANK']} in the environment but this process is local rank {local_rank}"
-            )
-        if deepspeed.comm.is_initialized():
-            return deepspeed
-        if accelerator == "cpu" and not self.options.get("build_cpu_shm_comm", False):
-            # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it first sets up
-            # communication (~1 min of g++); training never uses it (only AutoTP inference does, and falls
-            # back to torch.distributed without it). DeepSpeed keeps this probe dict editable for that purpose.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        if not torch.distributed.is_initialized():
-            # one process without a launcher: DeepSpeed still wants a process group; an in-memory
-            # one-rank group needs no address or port
-            torch.distributed.init_process_group(
-                self.state.backend, store=torch.distributed.HashStore(), rank=0, world_size=1
-            )
-            self._owns_group = True
-            atexit.register(_destroy_group)  # gloo threads alive at interpreter teardown abort the process
-        # with a group already there, DeepSpeed wraps it instead of creating one
-        deepspeed.comm.init_distributed(dist_backend=self.state.backend, dist_init_required=False)
+        deepspeed, created_group = start_communication(self.state, self.options.get("build_cpu_shm_comm", False))
+        self._owns_group = self._owns_group or created_group
         return deepspeed
 
     def register_with_transformers(self) -> None:
         """Let transformers see this config (``is_deepspeed_zero3_enabled``): ``from_pretrained`` then
-        builds ZeRO-3 models partitioned. The strategy keeps the object alive (transformers holds a weakref)."""
-        self.deepspeed_module()  # zero.Init reads the world size from DeepSpeed's communication
-        deepspeed_config.register_with_transformers(self.hf_config)
+        builds ZeRO-3 models partitioned. DeepSpeed communication, which ``zero.Init`` reads the world size
+        from, starts on transformers' first ZeRO-3 query, not here."""
+        # the hook holds the process state, not this strategy: the registration must not keep the config alive
+        hook = functools.partial(start_communication, self.state, self.options.get("build_cpu_shm_comm", False))
+        deepspeed_config.register_with_transformers(self.hf_config, on_first_zero3_query=hook)
 
     def unregister_from_transformers(self) -> None:
         deepspeed_config.unregister_from_transformers()
@@ -417,6 +391,44 @@ class DeepSpeedStrategy(Strategy):
         if self._owns_group:
             _destroy_group()
         self._owns_group = False
+
+
+def start_communication(state: DistState, build_cpu_shm_comm: bool = False) -> tuple[Any, bool]:
+    """Import deepspeed and set up its communication on our process group (idempotent).
+
+    Returns the module and whether this call created a one-rank process group (its creator destroys it).
+    """
+    deepspeed = import_deepspeed()
+    accelerator = deepspeed.get_accelerator().device_name()
+    if state.device.type != accelerator:
+        raise ConfigError(
+            f"DeepSpeed picked the {accelerator!r} accelerator but this process trains on "
+            f"{state.device.type!r}; set DS_ACCELERATOR={state.device.type} before starting"
+        )
+    # DeepSpeed (engine, zero.Init) reads the local rank from the environment only; srun and a plain
+    # `python train.py` do not set it, so hand it ours (the launcher's value when there is one)
+    local_rank = str(state.local_process_index)
+    if os.environ.setdefault("LOCAL_RANK", local_rank) != local_rank:
+        raise ConfigError(
+            f"LOCAL_RANK={os.environ['LOCAL_RANK']} in the environment but this process is local rank {local_rank}"
+        )
+    if deepspeed.comm.is_initialized():
+        return deepspeed, False
+    if accelerator == "cpu" and not build_cpu_shm_comm:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it first sets up
+        # communication (~1 min of g++); training never uses it (only AutoTP inference does, and falls
+        # back to torch.distributed without it). DeepSpeed keeps this probe dict editable for that purpose.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    created_group = False
+    if not torch.distributed.is_initialized():
+        # one process without a launcher: DeepSpeed still wants a process group; an in-memory
+        # one-rank group needs no address or port
+        torch.distributed.init_process_group(state.backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        created_group = True
+        atexit.register(_destroy_group)  # gloo threads alive at interpreter teardown abort the process
+    # with a group already there, DeepSpeed wraps it instead of creating one
+    deepspeed.comm.init_distributed(dist_backend=state.backend, dist_init_required=False)
+    return deepspeed, created_group
 
 
 def saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], set[str]] | None:
