@@ -1,122 +1,141 @@
-"""``Accelerator``: the Trainer's engine for hand-written loops, under accelerate's method names.
+"""``Accelerator``: the Trainer's engine for hand-written loops, under accelerate's names and meaning.
 
-Migrating a loop is one import: ``from trainer_ext import Accelerator``. Differences from accelerate that
-users notice are on purpose: a prepared LR scheduler steps exactly once per optimizer step, whatever
-the number of processes or accumulation steps.
+Migrating a loop is one import: ``from trainer_ext import Accelerator`` (and ``ProjectConfiguration``,
+``DataLoaderConfiguration`` and the kwargs handlers from ``trainer_ext`` instead of ``accelerate.utils``). What
+such a script observes is accelerate's behaviour, including how a prepared LR scheduler steps; trainer_ext's own
+choices are opt-in (``scheduler_counts_optimizer_steps=True``, ``fsdp_config=``, ``deepspeed_config=``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from .checkpointing import loop_state as checkpoint
+from .accelerator_checkpoints import CheckpointsMixin
+from .accelerator_options import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+    ProjectConfiguration,
+    split_handlers,
+)
+from .accelerator_processes import ProcessesMixin
+from .accelerator_scheduler import PreparedScheduler, is_scheduler
+from .accelerator_setup import (
+    accumulation_settings,
+    dataloader_configuration,
+    refuse_plugins,
+    rng_types_for,
+    strategy_settings,
+)
+from .accelerator_tracking import TrackingMixin
 from .distributed.data import skip_first_batches as _skip_first_batches
 from .distributed.engine import Engine
-from .distributed.fsdp_config import FSDPSettings, parse_fsdp
+from .distributed.fsdp_config import FSDPSettings
 from .distributed.rules import check_precision
 from .distributed.state import DistributedType, DistState
-from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
 from .env_vars import MIXED_PRECISION as _ENV_PRECISION
 from .errors import ConfigError
-from .trackers import TRACKERS, BlankTracker, Tracker, resolve_trackers
+from .trackers import Tracker, resolve_trackers
 
 
-class PreparedScheduler:
-    """Steps the wrapped LR scheduler once per real optimizer step (not per micro-batch, not per process)."""
-
-    def __init__(self, scheduler: Any, accelerator: Accelerator, step_with_optimizer: bool = True) -> None:
-        self.scheduler = scheduler
-        self.accelerator = accelerator
-        self.step_with_optimizer = step_with_optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-            return
-        if not self.accelerator.sync_gradients or self.accelerator.optimizer_step_was_skipped:
-            return  # inside an accumulation window, or the fp16 scaler skipped the optimizer step
-        self.scheduler.step(*args, **kwargs)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
-
-
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "get_last_lr")
-
-
-class Accelerator:
-    """Device placement, DDP, mixed precision, accumulation, collectives, checkpoints and trackers."""
+class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
+    """Device placement, DDP/FSDP2/DeepSpeed, mixed precision, accumulation, collectives, checkpoints, trackers."""
 
     deepspeed_max_grad_norm: float = 1.0  # what a DeepSpeed config's gradient_clipping "auto" becomes
 
     def __init__(
         self,
-        mixed_precision: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-        cpu: bool = False,
         device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
+        rng_types: list[str] | None = None,
         log_with: str | Tracker | list[str | Tracker] | None = None,
         project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
-        even_batches: bool = True,
+        kwargs_handlers: list[Any] | None = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: Any = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: Any = None,
+        *,
+        scheduler_counts_optimizer_steps: bool = False,
+        even_batches: bool | None = None,
         seed: int | None = None,
         timeout: timedelta | None = None,
-        split_batches: bool = False,
         fsdp_config: str | os.PathLike | dict | FSDPSettings | None = None,
         deepspeed_config: str | os.PathLike | dict | None = None,
     ) -> None:
-        if split_batches:
-            raise ConfigError("split_batches=True is not supported; give each process its own per-device batch")
-        mode = mixed_precision or os.environ.get(_ENV_PRECISION) or "no"
-        steps = gradient_accumulation_steps or int(os.environ.get(_ENV_ACCUMULATION) or 1)
-        if steps < 1:
-            raise ConfigError(f"gradient_accumulation_steps must be at least 1, got {steps}")
-        state = DistState(cpu=cpu, timeout=timeout)
+        refuse_plugins(locals())
+        self.project_configuration = project_config if project_config is not None else ProjectConfiguration()
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(os.fspath(project_dir))
+        self.dataloader_config = dataloader_configuration(dataloader_config, split_batches, even_batches)
+        handlers = split_handlers(kwargs_handlers)
+        self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
+        self.scaler_handler = handlers.get(GradScalerKwargs)
+        self.init_handler = handlers.get(InitProcessGroupKwargs)
+        self.autocast_handler = handlers.get(AutocastKwargs)
+        self.profile_handler = handlers.get(ProfileKwargs)
+        init = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
+        mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
         check_precision(mode, state.device)
-        strategy, options = None, None
-        if fsdp_config is not None and deepspeed_config is not None:
-            raise ConfigError("fsdp_config and deepspeed_config both shard the model; give one")
-        if deepspeed_config is not None:  # resolved at prepare(), when the batch size and optimizer are known
-            strategy, options = "deepspeed", {"config": deepspeed_config}
-        elif fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
-            settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
-            strategy, options = "fsdp", {"settings": settings}
+        strategy, options = strategy_settings(fsdp_config, deepspeed_config, self.ddp_handler)
+        config = self.dataloader_config
+        self.rng_types = rng_types_for(rng_types)
         self.engine = Engine(
             state,
             mixed_precision=mode,
-            seed=seed,
-            even_batches=even_batches,
+            seed=config.data_seed if config.data_seed is not None else seed,
+            split_batches=config.split_batches,
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
+            use_seedable_sampler=config.use_seedable_sampler,
+            rng_types=self.rng_types,
             strategy=strategy,
             strategy_options=options,
+            device_placement=device_placement,
+            torch_compile={"backend": str(dynamo_backend).lower()}
+            if dynamo_backend not in (None, "no", "NO")
+            else None,
+            gradient_accumulation_plugin_kwargs=accumulation_settings(
+                gradient_accumulation_steps, gradient_accumulation_plugin
+            ),
+            scaler_kwargs=self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
+            autocast_kwargs=self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None,
         )
-        self.engine.device_placement = device_placement
-        self.gradient_accumulation_steps = steps
+        self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.project_dir = str(project_dir) if project_dir is not None else None
-        self.step = 0  # micro-batches seen by `accumulate`, reset at each sync boundary
+        self.scheduler_counts_optimizer_steps = bool(scheduler_counts_optimizer_steps)
+        self.step = 0  # micro-batches since the end of the last dataloader (accelerate's count)
+        self.flag_tensor: torch.Tensor | None = None
         self._trackers_requested = resolve_trackers(log_with)
         self.trackers: list[Tracker] = []
         self._schedulers: list[PreparedScheduler] = []
         self._custom: list[Any] = []
+        self._save_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()  # a handle holds it by weak reference
+        self._load_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
 
     # -- who and where --------------------------------------------------------------------------
     state = property(lambda self: self.engine.state)
@@ -130,13 +149,92 @@ class Accelerator:
     use_distributed = property(lambda self: self.engine.state.use_distributed)
     mixed_precision = property(lambda self: self.engine.mixed_precision)
     scaler = property(lambda self: self.engine.scaler)
-    sync_gradients = property(lambda self: self.engine.sync_gradients)
     gradient_state = property(lambda self: self.engine.gradient_state)
     optimizer_step_was_skipped = property(lambda self: self.engine.optimizer_step_was_skipped)
+    project_dir = property(lambda self: self.project_configuration.project_dir)
+    logging_dir = property(lambda self: self.project_configuration.logging_dir)
+    save_iteration = property(lambda self: self.project_configuration.iteration)
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
+    use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+    is_fsdp2 = property(lambda self: self.distributed_type == DistributedType.FSDP)
 
     @property
     def distributed_type(self) -> DistributedType:
         return self.engine.distributed_type
+
+    @property
+    def multi_device(self) -> bool:
+        """Several processes on accelerator devices (accelerate's meaning: not CPU processes)."""
+        return self.use_distributed and self.device.type != "cpu"
+
+    @property
+    def should_save_model(self) -> bool:
+        """accelerate's answer without a parallelism config: the local main process."""
+        return self.is_local_main_process
+
+    # accelerate's composable-parallelism surface (tensor/context/pipeline parallelism): not configured here
+    parallelism_config = None
+    torch_device_mesh = None
+    deepspeed_plugin = None  # ours is deepspeed_config=...
+    is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2)
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise RuntimeError("Tensor parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise RuntimeError("Data parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise RuntimeError("Shard-based data parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def fp8_backend(self) -> str:
+        """``"AO"`` (torchao float8 layers) under ``mixed_precision="fp8"``, else ``"NO"``."""
+        return "AO" if self.mixed_precision == "fp8" else "NO"
+
+    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""
+        return contextlib.nullcontext()
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        """Applies to the dataloaders prepared after the change, as in accelerate."""
+        self.dataloader_config.even_batches = bool(value)
+        self.engine.even_batches = bool(value)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.engine.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.gradient_state.plugin_kwargs.get("num_steps") or 1)
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin_kwargs["num_steps"] = int(steps)
 
     # -- prepare --------------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
@@ -151,14 +249,23 @@ class Accelerator:
                 f"prepare: device_placement has {len(placement)} entries for {len(objects)} objects; give one "
                 "True/False per object, in the same order"
             )
-        schedulers = [_is_scheduler(o) for o in objects]
+        schedulers = [is_scheduler(o) for o in objects]
         rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
         places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
         self._resolve_auto_values(objects)
         prepared = self.engine.prepare(*rest, device_placement=places) if rest else ()
         remaining = iter((prepared,) if len(rest) == 1 else prepared)
         out = [self.prepare_scheduler(o) if s else next(remaining) for o, s in zip(objects, schedulers, strict=True)]
+        for obj in out:
+            self._register_comm_hook(obj)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _register_comm_hook(self, obj: Any) -> None:
+        """``DistributedDataParallelKwargs(comm_hook=...)``: installed on each model DDP wrapped, as in accelerate."""
+        ddp = isinstance(obj, torch.nn.parallel.DistributedDataParallel)
+        if ddp and self.ddp_handler is not None and not getattr(obj, "_trainer_ext_comm_hook", False):
+            self.ddp_handler.register_comm_hook(obj)
+            obj._trainer_ext_comm_hook = True
 
     def _resolve_auto_values(self, objects: tuple[Any, ...]) -> None:
         """Let the strategy fill settings left to the loop (DeepSpeed's ``"auto"``) from what is being prepared."""
@@ -175,7 +282,19 @@ class Accelerator:
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        return self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.verify_device_map(model) and self.num_processes > 1 and not evaluation_mode:
+            raise ConfigError(
+                "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode. "
+                "Load it on one device per process (no device_map), or run it on one process"
+            )
+        prepared = self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._register_comm_hook(prepared)
+        return prepared
+
+    @staticmethod
+    def verify_device_map(model: torch.nn.Module) -> bool:
+        """Whether ``model`` (or a submodule) was spread over several devices by a device map (``hf_device_map``)."""
+        return any(len(getattr(module, "hf_device_map", None) or {}) > 1 for module in model.modules())
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.engine.prepare_optimizer(optimizer)
@@ -198,16 +317,29 @@ class Accelerator:
         """Backward of ``loss / gradient_accumulation_steps`` (accelerate's convention for ``accumulate``)."""
         self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """Backward and update in one for LOMO/AdaLomo optimizers (``lomo-optim``)."""
+        if learning_rate is None:
+            raise ConfigError("A learning rate must be passed in order to call backward pass with LOMO optimizers.")
+        self.engine.backward(loss, learning_rate=learning_rate)
+
+    def _do_sync(self) -> None:
+        """accelerate's rule: the last batch of a loader syncs and restarts the count; otherwise every N-th does."""
+        plugin = self.gradient_state.plugin_kwargs
+        if plugin.get("sync_with_dataloader", True) and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients(self.step % self.gradient_accumulation_steps == 0)
+
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-batch: gradients sync (and optimizers/schedulers step) every N-th, and at the end of data."""
-        self.step += 1
-        sync = self.step % self.gradient_accumulation_steps == 0 or self.gradient_state.end_of_dataloader
-        if sync:
-            self.step = 0
-        self.gradient_state._set_sync_gradients(sync)
+        self._do_sync()
+        sync_each_batch = self.use_distributed and self.gradient_state.plugin_kwargs.get("sync_each_batch", False)
         with contextlib.ExitStack() as stack:
-            if not sync:
+            if not (self.sync_gradients or sync_each_batch):
                 for model in models:
                     stack.enter_context(self.engine.no_sync(model))
             yield
@@ -215,8 +347,37 @@ class Accelerator:
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.engine.no_sync(model)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return self.engine.autocast()
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+        """Make the next backward of a DDP model all-reduce its gradients after forwards run under ``no_sync``."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            yield
+            return
+        saved = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = saved
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
+        """Autocast in the mixed-precision mode; ``autocast_handler`` changes ``enabled``/``cache_enabled`` here."""
+        if autocast_handler is None:
+            return self.engine.autocast()
+        # the handler replaces the accelerator's own for this block (torch.autocast's defaults, then its values)
+        return self.engine.autocast(**{"enabled": True, "cache_enabled": None, **autocast_handler.to_kwargs()})
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[torch.profiler.profile]:
+        """``torch.profiler`` around the block; with ``output_trace_dir`` each process writes its Chrome trace."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is not None:
+            handler.export_trace(profiler, self.process_index)
+            self.wait_for_everyone()
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self.engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -233,37 +394,6 @@ class Accelerator:
         for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
             self.engine.precision.unscale_(getattr(opt, "optimizer", opt))
 
-    # -- processes ------------------------------------------------------------------------------
-    def wait_for_everyone(self) -> None:
-        self.engine.wait_for_everyone()
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self.engine.main_process_first()
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self.engine.local_main_process_first()
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: run ``function`` on the main process only (``None`` elsewhere)."""
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-
-        return wrapper
-
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
     # -- collectives ----------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         return self.engine.gather(tensor)
@@ -276,137 +406,6 @@ class Accelerator:
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return self.engine.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
-
-    # -- models and saving ----------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
-        inner = self.engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
-        if not keep_fp32_wrapper:
-            base = self.engine.unwrap_model(inner, keep_torch_compile=False)
-            if "_original_forward" in base.__dict__:
-                base.forward = base.__dict__.pop("_original_forward")
-                base.__dict__.pop("_trainer_ext_autocast", None)
-        return inner
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        return self.engine.get_state_dict(model, unwrap=unwrap)
-
-    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Save ``obj`` from the main process only: ``torch.save``, or safetensors for a dict of tensors."""
-        if not self.is_main_process:
-            return
-        if not safe_serialization:
-            torch.save(obj, f)
-            return
-        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise ConfigError(
-                f"save(safe_serialization=True) writes a dict of tensors, got {type(obj).__name__}; pass a state "
-                "dict, or safe_serialization=False for other objects (torch.save)"
-            )
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().contiguous().cpu() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
-
-    def save_model(
-        self,
-        model: torch.nn.Module,
-        save_directory: str | os.PathLike,
-        max_shard_size: str | int = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
-
-        All ranks call it; a sharded model is gathered by its strategy (FSDP: one tensor at a time, never whole on
-        one rank; DeepSpeed ZeRO-3: gathered and checked complete).
-        """
-        if not safe_serialization:  # transformers 5 dropped pickled weights from save_pretrained as well
-            raise ConfigError(
-                "save_model(safe_serialization=False) is not supported: models are written as safetensors only "
-                "(from_pretrained and safetensors.torch.load_file read them); drop the argument, or use "
-                "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
-            )
-
-        self.engine.export_model(self.unwrap_model(model, keep_torch_compile=False), save_directory, max_shard_size)
-        self.wait_for_everyone()
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
-        for obj in objects:
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(f"{type(obj).__name__} has no state_dict/load_state_dict; it cannot be checkpointed")
-            self._custom.append(obj)
-
-    def _checkpoint_objects(self) -> dict[str, Any]:
-        return {
-            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
-            "optimizers": [o.optimizer for o in self.engine.prepared_optimizers],
-            "schedulers": [s.scheduler for s in self._schedulers],
-            "dataloaders": self.engine.prepared_dataloaders,
-            "scaler": self.scaler,
-            "custom": self._custom,
-            "strategy": self.engine.strategy,
-        }
-
-    def _checkpoints_root(self, call: str) -> Path:
-        if self.project_dir is None:
-            raise ConfigError(f"{call} needs a directory, or project_dir=... set on the Accelerator")
-        return Path(self.project_dir) / "checkpoints"
-
-    def save_state(self, output_dir: str | os.PathLike | None = None) -> str:
-        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions.
-
-        Without ``output_dir``: ``project_dir/checkpoints/checkpoint`` (``load_state()`` finds it).
-        """
-        if output_dir is None:
-            output_dir = self._checkpoints_root("save_state()") / "checkpoint"
-        path = checkpoint.save_state(
-            output_dir, self.state, **self._checkpoint_objects(), extra={"accumulation_step": self.step}
-        )
-        return str(path)
-
-    def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
-        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order.
-
-        Without ``input_dir``: the newest complete checkpoint under ``project_dir/checkpoints``.
-        """
-        if input_dir is None:
-            input_dir = checkpoint.latest_state(self._checkpoints_root("load_state()"))
-        extra = checkpoint.load_state(input_dir, self.state, **self._checkpoint_objects())
-        self.step = int(extra.get("accumulation_step", 0))
-
-    # -- trackers -------------------------------------------------------------------------------
-    def init_trackers(
-        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, dict] | None = None
-    ) -> None:
-        """Start the trackers from ``log_with`` on the main process; store ``config`` as hyper-parameters."""
-        if not self.is_main_process:
-            return
-        init_kwargs = init_kwargs or {}
-        for item in self._trackers_requested:
-            if isinstance(item, Tracker):
-                tracker = item
-            else:
-                tracker = TRACKERS[item](project_name, self.project_dir, **init_kwargs.get(item, {}))
-            if config is not None:
-                tracker.store_init_configuration(config)
-            self.trackers.append(tracker)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker ``name`` (its backend object with ``unwrap``); where it does not run (other ranks,
-        before ``init_trackers``, no ``log_with``) a blank tracker whose every call does nothing."""
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        requested = [item if isinstance(item, str) else item.name for item in self._trackers_requested]
-        if requested and name not in requested:  # the same answer on every rank
-            raise ConfigError(f"no tracker {name!r}: log_with asked for {requested}; use one of those names")
-        blank = BlankTracker(name)
-        return blank.tracker if unwrap else blank
-
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, dict] | None = None) -> None:
-        """Log to every started tracker (main process only); ``log_kwargs[name]`` goes to that tracker's call."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def end_training(self) -> None:
         """Finish the trackers and tear the process group down."""

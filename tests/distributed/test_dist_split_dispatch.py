@@ -142,7 +142,8 @@ def test_split_skip_and_resume_cut_by_index() -> None:
         if len(seen) == 2:
             state = loader.state_dict()
             break
-    assert state == {"epoch": 0, "batches": 2}
+    # split batches: every rank reads a slice of each unsharded batch, so 2 of them are 2 unsharded batches
+    assert state == {"epoch": 0, "batches": 2, "global_batches": 2, "processes": 2}
     resumed = _loader(Indices(50), 8, 2, 1, shuffle=True, split_batches=True)
     resumed.load_state_dict(state)
     assert _lists(resumed) == full[2:]

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import default_data_collator, get_linear_schedule_with_warmup
 
 from tests.helpers.tiny import lm_dataset, tiny_llama
-from trainer_ext import Accelerator
+from trainer_ext import Accelerator, DataLoaderConfiguration
 
 
 def weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +44,9 @@ def build(
     loader = torch.utils.data.DataLoader(
         lm_dataset(n).with_format("torch"), batch_size=per_device_batch, shuffle=True, collate_fn=default_data_collator
     )
-    steps = epochs * -(-n // (per_device_batch * accelerator.num_processes * accelerator.gradient_accumulation_steps))
+    # accelerate's examples: the schedule is sized from the unsharded loader, and a prepared scheduler advances
+    # num_processes steps per optimizer step, so it ends on time on any number of processes
+    steps = epochs * -(-len(loader) // accelerator.gradient_accumulation_steps)
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
     objects = {"model": model, "optimizer": optimizer, "loader": loader, "scheduler": scheduler}
     prepared = dict(zip(order, accelerator.prepare(*(objects[name] for name in order)), strict=True))
@@ -66,6 +68,8 @@ def train_loop(
     accelerator = Accelerator(
         cpu=True,
         gradient_accumulation_steps=grad_accum,
+        # the same order on any number of processes (accelerate's default reshuffles from the global RNG)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         seed=0,
         fsdp_config=fsdp_config,
         deepspeed_config=deepspeed_config,

@@ -15,12 +15,14 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ..errors import ConfigError
 from ..saving import tied_groups, unique_state_dict
@@ -143,12 +145,14 @@ def save_state(
     custom: list[Any] | None = None,
     extra: dict[str, Any] | None = None,
     strategy: Any = None,
+    before_write: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint of everything passed (models already unwrapped) into ``directory``.
 
     ``strategy`` (the engine's) may write models and optimizers in its own way on every rank (FSDP: its shards
     with ``torch.distributed.checkpoint``, nothing gathered; DeepSpeed: the engine's checkpoint); otherwise the
-    main process writes them whole.
+    main process writes them whole. ``before_write(folder)`` runs on every rank first, with the folder being written
+    (it becomes ``directory`` at the commit); it may shorten ``models`` (its files are then its own).
     """
     final = Path(directory)
     _check_replaceable(final)  # every rank decides alike (the same files): none goes on alone
@@ -161,6 +165,8 @@ def save_state(
             out.mkdir()
 
     def write() -> None:
+        if before_write is not None:
+            before_write(out)
         whole = (models, optimizers)
         if strategy is not None and strategy.save_training_state(out, models, optimizers):
             whole = ([], [])  # written by the strategy
@@ -260,7 +266,12 @@ def load_state(
     custom: list[Any] | None = None,
     strategy: Any = None,
 ) -> dict[str, Any]:
-    """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values."""
+    """Restore what ``save_state`` wrote, in the same order of objects; returns the extra values.
+
+    The number of processes may differ from the save's when the strategy reshards (``reshards_training_state``):
+    whole files load anywhere and sharded ones are resharded by ``torch.distributed.checkpoint``; a process
+    without a saved random state keeps its own, and loaders continue from process 0's position.
+    """
     src = _complete(Path(directory))
     try:
         # sizes, checksums, safe headers; the ranks of a node share the reading
@@ -268,10 +279,20 @@ def load_state(
     except CheckpointError as error:
         raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)
-    if saved_ranks != state.num_processes:
+    moved = saved_ranks != state.num_processes
+    if moved and strategy is not None and not strategy.reshards_training_state:
         raise ConfigError(
-            f"{str(src)!r} was saved by {saved_ranks} processes but this run has {state.num_processes}; resume "
-            f"with {saved_ranks} processes"
+            f"{str(src)!r} was saved by {_processes(saved_ranks)} but this run has {state.num_processes}, and "
+            f"{strategy.title} checkpoints load only on the number of processes that wrote them; resume with "
+            f"{_processes(saved_ranks)}"
+        )
+    if moved and state.is_main_process:
+        logger.info(
+            "load_state: %s was saved by %s, this run has %d: models and optimizers are loaded resharded, data "
+            "positions from process 0's",
+            src,
+            _processes(saved_ranks),
+            state.num_processes,
         )
     if strategy is not None and strategy.load_training_state(src, models, optimizers):
         models, optimizers = [], []  # loaded by the strategy
@@ -280,12 +301,7 @@ def load_state(
         models, optimizers = [], []
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(load_file(str(src / f"model_{i}.safetensors")), strict=False)
-        tied = {name for name in missing if _is_tied(model, name)}
-        if set(missing) - tied or unexpected:
-            raise ConfigError(
-                f"model {i} does not match the checkpoint: missing {sorted(set(missing) - tied)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
+        _check_keys(i, model, missing, unexpected)
     location = state.device
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(_load(src / f"optimizer_{i}.bin", map_location=location))
@@ -295,12 +311,56 @@ def load_state(
         obj.load_state_dict(_load(src / f"custom_{i}.bin"))
     if scaler is not None and (src / "scaler.pt").exists():
         scaler.load_state_dict(_load(src / "scaler.pt"))
-    per_rank = _load(src / f"rank_{state.process_index}.pt")
-    _set_rng_state(per_rank["rng"], state.device)
-    for dl, position in zip(dataloaders, per_rank["dataloaders"], strict=False):
+    own = src / f"rank_{state.process_index}.pt"
+    per_rank = _load(own) if own.is_file() else None
+    if per_rank is not None:
+        _set_rng_state(per_rank["rng"], state.device)
+    else:  # accelerate's behaviour: a process the checkpoint did not have keeps its random state
+        logger.warning(
+            "load_state: %s holds no random state for process %d (saved by %s); it keeps its own",
+            src,
+            state.process_index,
+            _processes(saved_ranks),
+        )
+    if moved:  # every process takes process 0's positions: its loader translates them to this world size
+        main = per_rank if state.process_index == 0 else _load(src / "rank_0.pt")
+        positions = _translatable(main["dataloaders"], saved_ranks, state.num_processes, warn=state.is_main_process)
+    else:
+        positions = per_rank["dataloaders"]
+    for dl, position in zip(dataloaders, positions, strict=False):
         if position is not None and hasattr(dl, "load_state_dict"):
             dl.load_state_dict(position)
     return json.loads((src / "state.json").read_text())
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _translatable(positions: list[Any], saved: int, now: int, *, warn: bool) -> list[Any]:
+    """Process 0's loader positions, for a run on another number of processes.
+
+    A position with ``global_batches`` (unsharded batches read, the same for every number of processes) is
+    translated by its loader. Others (streams, dispatched loaders) count batches of this world size only: their
+    loader starts the saved epoch from its beginning, which a warning says, rather than skip the wrong data.
+    """
+    out = []
+    for i, position in enumerate(positions):
+        if position is not None and "global_batches" not in position and int(position.get("batches") or 0):
+            logger.log(
+                logging.WARNING if warn else logging.DEBUG,  # the same on every process: said once
+                "load_state: dataloader %d was %d batches per process into epoch %s on %s, a position it cannot "
+                "translate to %d: it reads that epoch from its beginning (accelerator.skip_first_batches skips "
+                "what was already seen)",
+                i,
+                int(position["batches"]),
+                position.get("epoch"),
+                _processes(saved),
+                now,
+            )
+            position = {**position, "batches": 0}
+        out.append(position)
+    return out
 
 
 def save_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> None:
@@ -312,11 +372,39 @@ def save_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> N
 
 
 def load_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> None:
-    """Every rank: what :func:`save_sharded` wrote, resharded to these models (sharded or whole)."""
+    """Every rank: what :func:`save_sharded` wrote, resharded to these models (sharded or whole).
+
+    A model or optimizer saved whole (by one process, or under DDP) is cut into these models' shards instead.
+    """
     for i, model in enumerate(models):
-        sharded_checkpoint.load_model(model, directory / f"model_{i}")
+        if sharded_checkpoint.has_sharded_model(directory / f"model_{i}"):
+            sharded_checkpoint.load_model(model, directory / f"model_{i}")
+        else:
+            _load_whole_into_shards(i, model, directory / f"model_{i}.safetensors")
     for i, optimizer in enumerate(optimizers):
-        sharded_checkpoint.load_optimizer(_owner(optimizer, models), optimizer, directory / f"optimizer_{i}")
+        owner = _owner(optimizer, models)
+        if sharded_checkpoint.has_sharded_optimizer(directory / f"optimizer_{i}"):
+            sharded_checkpoint.load_optimizer(owner, optimizer, directory / f"optimizer_{i}")
+        else:
+            saved = _load(directory / f"optimizer_{i}.bin", map_location="cpu")
+            sharded_checkpoint.load_full_optimizer(owner, optimizer, saved)
+
+
+def _load_whole_into_shards(i: int, model: torch.nn.Module, path: Path) -> None:
+    """Every rank reads the whole file and keeps its shards of each tensor (nothing is sent between ranks)."""
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    missing, unexpected = set_model_state_dict(model, load_file(str(path)), options=options)
+    _check_keys(i, model, missing, unexpected)
+
+
+def _check_keys(i: int, model: torch.nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """ConfigError unless the only names missing from a checkpoint are tied ones (saved once)."""
+    tied = {name for name in missing if _is_tied(model, name)}
+    if set(missing) - tied or unexpected:
+        raise ConfigError(
+            f"model {i} does not match the checkpoint: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
 
 
 def _owner(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module:

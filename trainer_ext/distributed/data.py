@@ -12,7 +12,9 @@ this one, a dispatching one (``dispatch.py``) or, for iterable datasets, a strea
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import functools
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from ..errors import ConfigError
 from .accumulation import GradientState
 from .dispatch import DispatchedDataLoader
 from .iterable import IterableDatasetShard, IterableShardLoader
+from .shuffle import PassOrder, give_generator, synchronize_rng_states
 from .split import check_split
 from .tracking import TrackedDataLoader, TrackedIteration
 
@@ -35,6 +38,8 @@ __all__ = [
     "shard_dataloader",
     "skip_first_batches",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -81,6 +86,8 @@ class BatchSamplerShard:
             check_split(self.batch_size, num_processes, split_batches)
         self.skip_batches = 0
         self.pending_skip = 0  # one-shot: skipped by the next pass only (resume from a saved position)
+        self.order = PassOrder()  # a plain RandomSampler's order: recorded per pass, restored on resume
+        self.resumes_mid_pass = False  # the next pass continues a saved one: its start already drew its seeds
 
     def _total_batches(self) -> int:
         return len(self.batch_sampler)
@@ -158,6 +165,7 @@ class BatchSamplerShard:
         skip, self.pending_skip = self.skip_batches + self.pending_skip, 0
         fast = skip > 0 and type(self.batch_sampler) is BatchSampler and self.batch_size is not None
         batches = self._sliced_batches(skip * self._round) if fast else self._global_batches()
+        batches = self.order.batches(self.batch_sampler, batches)
         if self.split_batches:
             yield from self._split(batches, 0 if fast else skip)
             return
@@ -189,7 +197,8 @@ class BatchSamplerShard:
 class ShardedDataLoader(TrackedIteration, DataLoader):
     """A DataLoader over a :class:`BatchSamplerShard` that tells the gradient state where it is.
 
-    ``len()`` is the number of batches on this rank; ``.dataset`` is the full dataset.
+    ``len()`` is the number of batches on this rank; ``.dataset`` is the full dataset. ``synchronize`` runs at the
+    start of every pass (accelerate's ``rng_types``: the processes take the main process's RNG states).
     """
 
     def __init__(
@@ -199,13 +208,16 @@ class ShardedDataLoader(TrackedIteration, DataLoader):
         shard: BatchSamplerShard,
         gradient_state: GradientState,
         device: torch.device | None = None,
+        synchronize: Callable[[], None] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, batch_sampler=shard, **loader_kwargs)
         self._loader_kwargs = loader_kwargs
         self.gradient_state = gradient_state
         self.device = device
+        self.synchronize = synchronize
         self.end_of_dataloader = False
+        self._reader: ShardedDataLoader | None = None  # the skipping copy reading this loader's epoch, if any
         total = len(dataset) if hasattr(dataset, "__len__") else -1
         if shard.drop_last or self.total_batch_size is None or total < 0:
             self.remainder = -1
@@ -229,36 +241,93 @@ class ShardedDataLoader(TrackedIteration, DataLoader):
         return int(getattr(sampler, "epoch", 0))
 
     def _on_iter_start(self) -> None:
+        if self.synchronize is not None:
+            self.synchronize()
+        parent = self.__dict__.get("_parent")
+        if parent is not None:
+            parent._reader = self  # its position is now this pass's
+        self._reader = None
         self._iter_epoch = self.epoch
         self._iter_skip = self.batch_sampler.skip_batches + self.batch_sampler.pending_skip
 
-    def state_dict(self) -> dict[str, int]:
-        """Where this rank is: the epoch being read and the batches of it already handed out."""
-        if not hasattr(self, "_iter_epoch"):
-            return {"epoch": self.epoch, "batches": self.batch_sampler.pending_skip}
-        if self.end_of_dataloader:  # a finished pass: the next one starts the next epoch
-            return {"epoch": self._iter_epoch + 1, "batches": 0}
-        return {"epoch": self._iter_epoch, "batches": self._iter_skip + self.batches_yielded}
+    def _source(self) -> Iterator[Any]:
+        shard = self.batch_sampler
+        if not shard.resumes_mid_pass:
+            return super()._source()
+        # The interrupted run drew this pass's seeds from the global RNG (the DataLoader's base seed, a plain
+        # sampler's seed) before it saved, and the checkpoint restored the RNG after those draws: draw nothing now.
+        shard.resumes_mid_pass = False
+        state = torch.get_rng_state()
+        iterator = super()._source()
+        torch.set_rng_state(state)
+        return iterator
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``: same epoch order; the next pass skips the batches already seen (by index)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: the epoch being read, the batches of it already handed out (on this rank, and in
+        unsharded batches), and what the pass's shuffle order started from (a plain ``RandomSampler``)."""
+        if self._reader is not None:  # a skip_first_batches copy is reading this epoch
+            return self._reader.state_dict()
+        shard = self.batch_sampler
+        started = hasattr(self, "_iter_epoch")
+        if not started:
+            position = {"epoch": self.epoch, "batches": shard.pending_skip}
+        elif self.end_of_dataloader:  # a finished pass: the next one starts the next epoch
+            position = {"epoch": self._iter_epoch + 1, "batches": 0}
+        else:
+            position = {"epoch": self._iter_epoch, "batches": self._iter_skip + self.batches_yielded}
+        position["global_batches"] = position["batches"] * shard._round
+        position["processes"] = shard.num_processes
+        order = shard.order.state(shard.batch_sampler, started, started and self.end_of_dataloader)
+        return {**position, **order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: same epoch and order; the next pass skips the batches already seen (by index).
+
+        A position saved by another number of processes is translated through its unsharded batch count.
+        """
+        shard = self.batch_sampler
         self.set_epoch(int(state["epoch"]))
-        self.batch_sampler.pending_skip = int(state["batches"])
+        batches = int(state["batches"])
+        if "global_batches" in state and int(state.get("processes", shard.num_processes)) != shard.num_processes:
+            batches, repeated = divmod(int(state["global_batches"]), shard._round)
+            if repeated:
+                logger.warning(
+                    "load_state: the position was saved by %s processes; on %s, the last %s of its batches are "
+                    "read again",
+                    state["processes"],
+                    shard.num_processes,
+                    repeated,
+                )
+        shard.pending_skip = batches
+        shard.resumes_mid_pass = batches > 0
+        shard.order.restore(state)
         for name in ("_iter_epoch", "_iter_skip"):
             self.__dict__.pop(name, None)
+        self._reader = None
 
     def skip(self, num_batches: int) -> ShardedDataLoader:
-        """A loader identical to this one that starts after its first ``num_batches`` batches (this rank)."""
+        """A loader identical to this one that starts after its first ``num_batches`` batches (this rank).
+
+        It replaces a position restored by ``load_state`` (accelerate's resume calls both: the batches are skipped
+        once, not twice) and takes its shuffle order; this loader's next pass then starts a new epoch in full.
+        """
         shard = copy.copy(self.batch_sampler)
         shard.skip_batches = self.batch_sampler.skip_batches + int(num_batches)
+        shard.pending_skip = 0
+        shard.order = PassOrder()
+        shard.order.restore(self.batch_sampler.order.hand_over())
+        shard.resumes_mid_pass, self.batch_sampler.resumes_mid_pass = self.batch_sampler.resumes_mid_pass, False
+        self.batch_sampler.pending_skip = 0
         loader = ShardedDataLoader(
             self.dataset,
             shard=shard,
             gradient_state=self.gradient_state,
             device=self.device,
+            synchronize=self.synchronize,
             **self._loader_kwargs,
         )
         loader.remainder = self.remainder
+        loader._parent = self
         return loader
 
 
@@ -289,12 +358,16 @@ def shard_dataloader(
     dispatch_batches: bool | None = None,
     even_batches: bool = True,
     use_seedable_sampler: bool = True,
+    rng_types: list[str] | None = None,
+    comm_device: torch.device | None = None,
 ) -> DataLoader:
     """Rebuild ``dataloader`` as this rank's loader, with accelerate's meaning of the options.
 
     ``dispatch_batches`` (rank 0 reads, the others receive) defaults to True for an iterable dataset when
     batches are placed on a device, False otherwise; it ignores ``even_batches`` (its last batch is always
-    completed). Iterable datasets not dispatched are read by every rank, each keeping its share.
+    completed). Iterable datasets not dispatched are read by every rank, each keeping its share. Without
+    ``use_seedable_sampler`` a shuffling sampler on several processes gets a generator seeded now, and each pass
+    starts from the main process's state of the RNGs in ``rng_types`` (``"generator"``: that generator).
     """
     if isinstance(dataloader, TrackedIteration):
         return dataloader
@@ -349,10 +422,17 @@ def shard_dataloader(
             split_batches=split_batches,
         )
         return IterableShardLoader(shard, **common, **kwargs)
+    synchronize = None
+    if num_processes > 1:
+        generator = None if use_seedable_sampler else give_generator(batch_sampler)
+        kinds = [kind for kind in rng_types or [] if kind != "generator" or generator is not None]
+        if kinds:
+            place = comm_device or device or torch.device("cpu")
+            synchronize = functools.partial(synchronize_rng_states, kinds, generator, place)
     shard = BatchSamplerShard(
         batch_sampler, num_processes, process_index, even_batches=even_batches, split_batches=split_batches
     )
-    return ShardedDataLoader(dataloader.dataset, shard=shard, **common, **kwargs)
+    return ShardedDataLoader(dataloader.dataset, shard=shard, synchronize=synchronize, **common, **kwargs)
 
 
 def _seeded(batch_sampler: Any, seed: int) -> Any:

@@ -40,10 +40,12 @@ class Engine:
         dispatch_batches: bool | None = None,
         even_batches: bool = True,
         use_seedable_sampler: bool = True,
+        rng_types: list[str] | None = None,
         device_placement: bool = True,
         torch_compile: dict[str, Any] | None = None,
         gradient_accumulation_plugin_kwargs: dict[str, Any] | None = None,
         scaler_kwargs: dict[str, Any] | None = None,
+        autocast_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.state = state
         if not isinstance(strategy, Strategy):
@@ -57,6 +59,7 @@ class Engine:
             state.device,
             uses_scaler=not strategy.owns_loss_scaling,
             scaler_factory=strategy.make_grad_scaler,
+            autocast_kwargs=autocast_kwargs,
             **(scaler_kwargs or {}),
         )
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
@@ -67,6 +70,7 @@ class Engine:
         self.dispatch_batches = dispatch_batches
         self.even_batches = bool(even_batches)
         self.use_seedable_sampler = use_seedable_sampler
+        self.rng_types = ["generator"] if rng_types is None else list(rng_types)  # synchronised at each pass start
         self.device_placement = device_placement
         self.torch_compile = torch_compile
         self.parallelism_config = None
@@ -239,13 +243,15 @@ class Engine:
             dispatch_batches=self.dispatch_batches,
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
+            rng_types=self.rng_types,
+            comm_device=self.device,
         )
         self._dataloaders.append(loader)
         return loader
 
     # -- the step -------------------------------------------------------------------------------
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return self.precision.autocast()
+    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.precision.autocast(**overrides)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Skip the gradient all-reduce inside the block (non-final micro-batches of a window)."""

@@ -42,11 +42,13 @@ class Precision:
         mode: str,
         device: torch.device,
         *,
-        init_scale: float = 2.0**16,
-        growth_interval: int = 2000,
         uses_scaler: bool = True,
         scaler_factory: Any = None,
+        autocast_kwargs: dict[str, Any] | None = None,
+        **scaler_kwargs: Any,
     ) -> None:
+        """``scaler_kwargs`` go to the fp16 ``GradScaler`` (``init_scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``enabled``); ``autocast_kwargs`` to ``torch.autocast`` (``enabled``, ``cache_enabled``)."""
         if mode not in MIXED_PRECISION:
             raise ValueError(f"mixed precision must be one of {MIXED_PRECISION}, not {mode!r}")
         self.mode = mode
@@ -55,17 +57,19 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = None
         if mode == "fp16" and uses_scaler and device.type != "cpu":
             factory = scaler_factory or torch.amp.GradScaler
-            self.scaler = factory(device.type, init_scale=init_scale, growth_interval=growth_interval)
+            self.scaler = factory(device.type, **{"init_scale": 2.0**16, "growth_interval": 2000, **scaler_kwargs})
+        self.autocast_kwargs = dict(autocast_kwargs or {})
 
     @property
     def enabled(self) -> bool:
         return self.dtype is not None
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The autocast context for this mode (a null context for full precision)."""
+    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager[Any]:
+        """The autocast context for this mode (a null context for full precision); ``overrides`` replace the
+        ``autocast_kwargs`` given at construction for this block."""
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype, **{**self.autocast_kwargs, **overrides})
 
     def patch_forward(self, model: torch.nn.Module) -> torch.nn.Module:
         """Run ``model.forward`` under autocast with fp32 outputs; idempotent, survives ``deepcopy``."""

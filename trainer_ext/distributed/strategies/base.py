@@ -31,6 +31,7 @@ class Strategy:
     joint_prepare = False  # model and optimizer are wrapped together (DeepSpeed's engine)
     wraps_for_evaluation = False  # a joint strategy whose models must be wrapped even for evaluation
     own_checkpoint_format = False  # checkpoints in the backend's own format, which only it resumes (DeepSpeed)
+    reshards_training_state = True  # load_state takes a save_state of another number of processes (not DeepSpeed)
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state

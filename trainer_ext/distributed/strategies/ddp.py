@@ -14,13 +14,14 @@ from .base import Strategy
 class DDPStrategy(Strategy):
     """Wraps the model in ``DistributedDataParallel``; ``no_sync`` skips the all-reduce.
 
-    Options: ``find_unused_parameters``, ``bucket_cap_mb``, ``broadcast_buffers``, ``static_graph``,
+    Options: ``dim``, ``find_unused_parameters``, ``bucket_cap_mb``, ``broadcast_buffers``, ``static_graph``,
     ``gradient_as_bucket_view`` (passed to DDP when set).
     """
 
     name = "ddp"
     title = "DDP"
     option_names = (
+        "dim",
         "find_unused_parameters",
         "bucket_cap_mb",
         "broadcast_buffers",

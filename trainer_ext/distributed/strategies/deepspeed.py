@@ -72,6 +72,7 @@ class DeepSpeedStrategy(Strategy):
     owns_mixed_precision = True
     joint_prepare = True
     own_checkpoint_format = True
+    reshards_training_state = False  # its engine checkpoint loads only on the world size that wrote it
 
     def __init__(self, state: DistState, config: dict | DeepSpeedConfig, **options: Any) -> None:
         super().__init__(state, **options)

@@ -1,0 +1,229 @@
+"""The ``Accelerator``'s models on disk: unwrap, state dicts, ``save``/``save_model``, ``save_state``/``load_state``.
+
+``save_state`` writes through :mod:`trainer_ext.checkpointing.loop_state` (every rank's share, a commit marker
+last); accelerate's project settings choose the folder (``automatic_checkpoint_naming``, ``total_limit``) and its
+pre-hooks see the models before anything is written or read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .checkpointing import loop_state as checkpoint
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+_NUMBERED = re.compile(r"checkpoint_(\d+)")
+
+
+def numbered_folders(root: Path) -> list[tuple[int, Path]]:
+    """The ``checkpoint_<n>`` folders automatic checkpoint naming wrote under ``root``, with their numbers."""
+    found = (_NUMBERED.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
+    return [(int(match.group(1)), root / match.group(0)) for match in found if match]
+
+
+class CheckpointsMixin:
+    """Saving and loading models and training state from a hand-written loop."""
+
+    engine: Any
+    state: Any
+    scaler: Any
+    step: int
+    num_processes: int
+    is_main_process: bool
+    project_dir: str | None
+    project_configuration: Any
+    _schedulers: list[Any]
+    _custom: list[Any]
+    _save_state_pre_hooks: dict[int, Any]
+    _load_state_pre_hooks: dict[int, Any]
+
+    def wait_for_everyone(self) -> None:  # provided by ProcessesMixin
+        raise NotImplementedError
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
+        inner = self.engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+        if not keep_fp32_wrapper:
+            base = self.engine.unwrap_model(inner, keep_torch_compile=False)
+            if "_original_forward" in base.__dict__:
+                base.forward = base.__dict__.pop("_original_forward")
+                base.__dict__.pop("_trainer_ext_autocast", None)
+        return inner
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        return self.engine.get_state_dict(model, unwrap=unwrap)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save ``obj`` from the main process only: ``torch.save``, or safetensors for a dict of tensors."""
+        if not self.is_main_process:
+            return
+        if not safe_serialization:
+            torch.save(obj, f)
+            return
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise ConfigError(
+                f"save(safe_serialization=True) writes a dict of tensors, got {type(obj).__name__}; pass a state "
+                "dict, or safe_serialization=False for other objects (torch.save)"
+            )
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: str | int = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
+
+        All ranks call it; a sharded model is gathered by its strategy (FSDP: one tensor at a time, never whole on
+        one rank; DeepSpeed ZeRO-3: gathered and checked complete).
+        """
+        if not safe_serialization:  # transformers 5 dropped pickled weights from save_pretrained as well
+            raise ConfigError(
+                "save_model(safe_serialization=False) is not supported: models are written as safetensors only "
+                "(from_pretrained and safetensors.torch.load_file read them); drop the argument, or use "
+                "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
+            )
+
+        self.engine.export_model(self.unwrap_model(model, keep_torch_compile=False), save_directory, max_shard_size)
+        self.wait_for_everyone()
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"{type(obj).__name__} has no state_dict/load_state_dict; it cannot be checkpointed")
+            self._custom.append(obj)
+
+    def _checkpoint_objects(self) -> dict[str, Any]:
+        return {
+            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
+            "optimizers": [o.optimizer for o in self.engine.prepared_optimizers],
+            "schedulers": [s.scheduler for s in self._schedulers],
+            "dataloaders": self.engine.prepared_dataloaders,
+            "scaler": self.scaler,
+            "custom": self._custom,
+            "strategy": self.engine.strategy,
+        }
+
+    def _checkpoints_root(self, call: str) -> Path:
+        if self.project_dir is None:
+            raise ConfigError(
+                f"{call} needs a directory, or project_dir=... (or project_config=ProjectConfiguration(...)) set on "
+                "the Accelerator"
+            )
+        return Path(self.project_dir) / "checkpoints"
+
+    def _automatic_folder(self) -> Path:
+        """``project_dir/checkpoints/checkpoint_<iteration>``, after deleting the oldest beyond ``total_limit``."""
+        root = self._checkpoints_root("save_state() with automatic_checkpoint_naming")
+        config = self.project_configuration
+        if self.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
+            extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
+            if extra > 0:
+                logger.warning("Deleting %d checkpoints to make room for new checkpoint.", extra)
+                for _, folder in saved[:extra]:
+                    shutil.rmtree(folder)
+        folder = root / f"checkpoint_{config.iteration}"
+        if folder.exists():
+            raise ConfigError(
+                f"Checkpoint directory {folder} ({config.iteration}) already exists. Please manually override "
+                "`self.save_iteration` with what iteration to start with."
+            )
+        self.wait_for_everyone()
+        return folder
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry
+        of ``weights`` (the models' state dicts) leaves that model to the hook (it may write it into
+        ``output_dir`` itself). Returns a handle whose ``remove()`` unregisters it."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read; removing a model from
+        ``models`` leaves its loading to the hook."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_: Any
+    ) -> str:
+        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions, registered
+        objects; committed by a ``COMPLETE`` marker written last.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints/checkpoint_<i>``,
+        keeping ``total_limit``. Without a folder otherwise: ``project_dir/checkpoints/checkpoint``.
+        """
+        if not safe_serialization:
+            raise ConfigError(
+                "save_state(safe_serialization=False) is not supported: weights are written as safetensors"
+            )
+        if self.project_configuration.automatic_checkpoint_naming:
+            output_dir = self._automatic_folder()
+        elif output_dir is None:
+            output_dir = self._checkpoints_root("save_state()") / "checkpoint"
+        objects = self._checkpoint_objects()
+        hooks = list(self._save_state_pre_hooks.values())
+
+        def before_write(folder: Path) -> None:  # hooks see the folder being written (it becomes output_dir)
+            if not hooks:
+                return
+            models = objects["models"]
+            # accelerate hands the hooks the state dicts it is about to write: none for models sharded over ranks
+            whole = [model for model in models if not objects["strategy"].shards_model(model)]
+            weights = [model.state_dict() for model in whole]
+            keys = [id(w) for w in weights]
+            for hook in hooks:
+                hook(models, weights, str(folder))
+            remaining = {id(w) for w in weights}
+            dropped = {id(m) for m, key in zip(whole, keys, strict=True) if key not in remaining}
+            models[:] = [m for m in models if id(m) not in dropped]
+
+        path = checkpoint.save_state(
+            output_dir,
+            self.state,
+            **objects,
+            extra={"step": self.step, "processes": self.num_processes},
+            before_write=before_write,
+        )
+        self.project_configuration.iteration += 1
+        return str(path)
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **_: Any
+    ) -> None:
+        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order, including
+        each loader's position (so the next pass continues where the saved one stopped; calling
+        ``skip_first_batches`` for the resumed epoch as well, as accelerate's examples do, skips once, not twice).
+
+        Without ``input_dir``: the newest complete checkpoint under ``project_dir/checkpoints``.
+        """
+        if input_dir is not None:
+            input_dir = os.path.expanduser(input_dir)
+        else:
+            input_dir = checkpoint.latest_state(self._checkpoints_root("load_state()"))
+        objects = self._checkpoint_objects()
+        for hook in self._load_state_pre_hooks.values():
+            hook(objects["models"], str(input_dir))
+        extra = checkpoint.load_state(input_dir, self.state, **objects)
+        # the accumulation count is in micro-batches of this process: on another number of processes, the same
+        # share of the epoch (the loaders translate their positions the same way)
+        self.step = int(extra.get("step", 0)) * int(extra.get("processes", self.num_processes)) // self.num_processes

@@ -1,0 +1,99 @@
+"""How ``Accelerator(...)``'s arguments become engine settings: accelerate's rules for accumulation, dataloader
+configuration, RNG synchronisation and plugins, checked before anything starts."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from .accelerator_options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from .distributed.fsdp_config import FSDPSettings, parse_fsdp
+from .distributed.shuffle import RNG_TYPES
+from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
+from .errors import ConfigError
+
+# accelerate arguments that configure its own plugins; ours take plain settings instead
+_PLUGINS = {
+    "deepspeed_plugin": "deepspeed_config=<a DeepSpeed JSON path or dict>",
+    "deepspeed_plugins": "deepspeed_config=<a DeepSpeed JSON path or dict>",
+    "fsdp_plugin": "fsdp_config=<a preset path such as configs/fsdp/full_shard.yaml, or a dict of its keys>",
+    "torch_tp_plugin": None,
+    "megatron_lm_plugin": None,
+    "parallelism_config": None,
+    "dynamo_plugin": "dynamo_backend=<backend name>",
+}
+
+
+def accumulation_settings(steps: int, plugin: GradientAccumulationPlugin | None) -> dict[str, Any]:
+    """The gradient state's settings as accelerate keeps them: the plugin's non-default values only (so
+    ``adjust_scheduler``, default True, reads as False, as in accelerate 1.15). ``gradient_accumulation_steps`` or a
+    plugin, not both; without either, the launcher's value."""
+    if plugin is not None:
+        if steps != 1:
+            raise ConfigError(
+                "You can only pass one of `gradient_accumulation_steps` and `gradient_accumulation_plugin`. Please "
+                "only pass in the created `GradientAccumulationPlugin` object."
+            )
+    else:
+        plugin = GradientAccumulationPlugin(
+            num_steps=steps if steps != 1 else int(os.environ.get(_ENV_ACCUMULATION) or 1)
+        )
+    kwargs = plugin.to_kwargs()
+    if int(kwargs.get("num_steps") or 1) < 1:
+        raise ConfigError(f"gradient_accumulation_steps must be at least 1, got {kwargs['num_steps']}")
+    return kwargs
+
+
+def refuse_plugins(arguments: dict[str, Any]) -> None:
+    """accelerate's plugin objects configure accelerate; say which setting of ours does the same."""
+    for name, instead in _PLUGINS.items():
+        if arguments.get(name) is not None:
+            fix = f"pass {instead}" if instead else "it has no counterpart in trainer_ext (see docs/accelerator.md)"
+            raise ConfigError(f"Accelerator({name}=...) configures accelerate's own engine; {fix}")
+
+
+def dataloader_configuration(
+    config: DataLoaderConfiguration | None, split_batches: bool | None, even_batches: bool | None
+) -> DataLoaderConfiguration:
+    """The dataloader settings; the old ``split_batches=`` argument still works, as in accelerate (with its warning)."""
+    if config is not None and split_batches is not None:
+        raise ConfigError(
+            "Passing `split_batches` to both the Accelerator and the DataLoaderConfiguration is not allowed; keep "
+            "DataLoaderConfiguration(split_batches=...)"
+        )
+    config = config if config is not None else DataLoaderConfiguration()
+    if split_batches is not None:
+        warnings.warn(
+            "Passing split_batches to the Accelerator is deprecated: pass "
+            "dataloader_config=DataLoaderConfiguration(split_batches=...) instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+        config.split_batches = bool(split_batches)
+    if even_batches is not None:
+        config.even_batches = bool(even_batches)
+    return config
+
+
+def rng_types_for(rng_types: list[str] | None) -> list[str]:
+    names = ["generator"] if rng_types is None else [str(getattr(kind, "value", kind)) for kind in rng_types]
+    unknown = [name for name in names if name not in RNG_TYPES]
+    if unknown:
+        raise ConfigError(f"rng_types {unknown} are not known; choose from {list(RNG_TYPES)}")
+    return names
+
+
+def strategy_settings(
+    fsdp_config: Any, deepspeed_config: Any, ddp_handler: DistributedDataParallelKwargs | None
+) -> tuple[str | None, dict[str, Any] | None]:
+    if fsdp_config is not None and deepspeed_config is not None:
+        raise ConfigError("fsdp_config and deepspeed_config both shard the model; give one")
+    if deepspeed_config is not None:  # resolved at prepare(), when the batch size and optimizer are known
+        return "deepspeed", {"config": deepspeed_config}
+    if fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
+        settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
+        return "fsdp", {"settings": settings}
+    if ddp_handler is not None:
+        return None, ddp_handler.to_kwargs()
+    return None, None
