@@ -69,7 +69,8 @@ def main() -> None:
     )
     model = BertForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    steps = args.epochs * -(-len(train_dl) // (accelerator.num_processes * accelerator.gradient_accumulation_steps))
+    # accelerate's convention: sized from the unsharded loader; a prepared scheduler advances once per process
+    steps = args.epochs * -(-len(train_dl) // accelerator.gradient_accumulation_steps)
     scheduler = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler
