@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaForCausalLM
 
 from tests.helpers import jobs, loops
@@ -112,6 +113,8 @@ def test_tensorboard_and_mlflow_trackers_write_files(tmp_path: Path) -> None:
     assert accelerator.get_tracker("tensorboard", unwrap=True) is accelerator.trackers[0].writer
     accelerator.end_training()
     assert list((tmp_path / "demo").glob("events.out.tfevents*"))
+    (hparams,) = (tmp_path / "demo").glob("*/hparams.yml")  # accelerate's copy of the configuration
+    assert yaml.safe_load(hparams.read_text()) == {"lr": 0.1, "layers": 2}
     assert list((tmp_path / "mlruns").rglob("loss"))
 
 

@@ -51,7 +51,7 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
     real = torch.save
 
     def full_disk(obj, f, *args, **kwargs):
-        if str(f).endswith("rank_0.pt"):  # late in the save: the weights and optimizer are already written
+        if str(f).endswith("random_states_0.pkl"):  # late in the save: the weights and optimizer are already written
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         return real(obj, f, *args, **kwargs)
 
@@ -102,11 +102,11 @@ def test_a_crash_between_the_two_renames_loads_the_complete_copy(tmp_path: Path,
 def test_load_state_verifies_the_checksums(tmp_path: Path) -> None:
     accelerator, model, optimizer = _prepared(tmp_path)
     folder = Path(accelerator.save_state(tmp_path / "state"))
-    weights = folder / "model_0.safetensors"
+    weights = folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(255 - b for b in data[-64:])  # same size, the header intact: only the checksum tells
     weights.write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match=r"model_0\.safetensors does not match its checksum"):
+    with pytest.raises(ConfigError, match=r"model\.safetensors does not match its checksum"):
         accelerator.load_state(folder)
 
 

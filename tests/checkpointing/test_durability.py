@@ -17,8 +17,8 @@ def _tree(folder: Path) -> None:
     """Files as a 2-rank save leaves them: shared ones, and per-rank ones in sub-folders."""
     for name in (
         "model.safetensors",
-        "rank_0.pt",
-        "rank_1.pt",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
         "rng_state_1.pth",
         "model_sharded/.metadata",
         "model_sharded/__0_0.distcp",
@@ -56,12 +56,12 @@ def test_each_rank_fsyncs_its_own_files_and_every_folder(tmp_path: Path, monkeyp
     flush_tree(tmp_path, rank=1, main=False)
     root = tmp_path.resolve()
     folders = {str(root), str(root / "model_sharded"), str(root / "global_step2")}
-    mine = {"rank_1.pt", "rng_state_1.pth", "model_sharded/__1_0.distcp"}
+    mine = {"random_states_1.pkl", "rng_state_1.pth", "model_sharded/__1_0.distcp"}
     mine.add("global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert synced == folders | {str(root / name) for name in mine}
     synced.clear()
     flush_tree(tmp_path, rank=0, main=True)
-    shared = {"model.safetensors", "rank_0.pt", "model_sharded/.metadata", "model_sharded/__0_0.distcp"}
+    shared = {"model.safetensors", "random_states_0.pkl", "model_sharded/.metadata", "model_sharded/__0_0.distcp"}
     assert synced == folders | {str(root / name) for name in shared}
 
 

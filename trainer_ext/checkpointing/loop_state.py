@@ -176,7 +176,7 @@ def save_state(
             "rng": _rng_state(state.device),
             "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
         }
-        torch.save(per_rank, out / f"rank_{state.process_index}.pt")
+        torch.save(per_rank, out / _rank_file(state.process_index))
         flush_tree(out)  # the data reaches the disk before the marker can
 
     def commit() -> None:
@@ -191,6 +191,16 @@ def save_state(
     return final
 
 
+def _numbered(stem: str, index: int, suffix: str) -> str:
+    """accelerate's file names: ``model.safetensors`` for the first object, ``model_1.safetensors`` after it."""
+    return f"{stem}{suffix}" if index == 0 else f"{stem}_{index}{suffix}"
+
+
+def _rank_file(process_index: int) -> str:
+    """A process's random states (accelerate's name) and, ours, its loaders' positions."""
+    return f"random_states_{process_index}.pkl"
+
+
 def _write_shared(
     out: Path,
     models: list[Any],
@@ -202,13 +212,13 @@ def _write_shared(
 ) -> None:
     """The files only the main process writes: whole models/optimizers (those given), schedulers, the rest."""
     for i, model in enumerate(models):
-        save_file(unique_state_dict(model), str(out / f"model_{i}.safetensors"))
+        save_file(unique_state_dict(model), str(out / _numbered("model", i, ".safetensors")))
     for i, optimizer in enumerate(optimizers):
-        torch.save(optimizer.state_dict(), out / f"optimizer_{i}.bin")
+        torch.save(optimizer.state_dict(), out / _numbered("optimizer", i, ".bin"))
     for i, scheduler in enumerate(schedulers):
-        torch.save(scheduler.state_dict(), out / f"scheduler_{i}.bin")
+        torch.save(scheduler.state_dict(), out / _numbered("scheduler", i, ".bin"))
     for i, obj in enumerate(custom):
-        torch.save(obj.state_dict(), out / f"custom_{i}.bin")
+        torch.save(obj.state_dict(), out / f"custom_checkpoint_{i}.pkl")
     if scaler is not None:
         torch.save(scaler.state_dict(), out / "scaler.pt")
     (out / "state.json").write_text(json.dumps(extra, indent=1))
@@ -300,18 +310,20 @@ def load_state(
         load_sharded(src, models, optimizers)
         models, optimizers = [], []
     for i, model in enumerate(models):
-        missing, unexpected = model.load_state_dict(load_file(str(src / f"model_{i}.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(src / _numbered("model", i, ".safetensors"))), strict=False
+        )
         _check_keys(i, model, missing, unexpected)
     location = state.device
     for i, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(_load(src / f"optimizer_{i}.bin", map_location=location))
+        optimizer.load_state_dict(_load(src / _numbered("optimizer", i, ".bin"), map_location=location))
     for i, scheduler in enumerate(schedulers):
-        scheduler.load_state_dict(_load(src / f"scheduler_{i}.bin"))
+        scheduler.load_state_dict(_load(src / _numbered("scheduler", i, ".bin")))
     for i, obj in enumerate(custom or []):
-        obj.load_state_dict(_load(src / f"custom_{i}.bin"))
+        obj.load_state_dict(_load(src / f"custom_checkpoint_{i}.pkl"))
     if scaler is not None and (src / "scaler.pt").exists():
         scaler.load_state_dict(_load(src / "scaler.pt"))
-    own = src / f"rank_{state.process_index}.pt"
+    own = src / _rank_file(state.process_index)
     per_rank = _load(own) if own.is_file() else None
     if per_rank is not None:
         _set_rng_state(per_rank["rng"], state.device)
@@ -323,7 +335,7 @@ def load_state(
             _processes(saved_ranks),
         )
     if moved:  # every process takes process 0's positions: its loader translates them to this world size
-        main = per_rank if state.process_index == 0 else _load(src / "rank_0.pt")
+        main = per_rank if state.process_index == 0 else _load(src / _rank_file(0))
         positions = _translatable(main["dataloaders"], saved_ranks, state.num_processes, warn=state.is_main_process)
     else:
         positions = per_rank["dataloaders"]
@@ -380,13 +392,13 @@ def load_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> N
         if sharded_checkpoint.has_sharded_model(directory / f"model_{i}"):
             sharded_checkpoint.load_model(model, directory / f"model_{i}")
         else:
-            _load_whole_into_shards(i, model, directory / f"model_{i}.safetensors")
+            _load_whole_into_shards(i, model, directory / _numbered("model", i, ".safetensors"))
     for i, optimizer in enumerate(optimizers):
         owner = _owner(optimizer, models)
         if sharded_checkpoint.has_sharded_optimizer(directory / f"optimizer_{i}"):
             sharded_checkpoint.load_optimizer(owner, optimizer, directory / f"optimizer_{i}")
         else:
-            saved = _load(directory / f"optimizer_{i}.bin", map_location="cpu")
+            saved = _load(directory / _numbered("optimizer", i, ".bin"), map_location="cpu")
             sharded_checkpoint.load_full_optimizer(owner, optimizer, saved)
 
 

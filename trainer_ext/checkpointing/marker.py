@@ -123,12 +123,13 @@ def crc32(path: str | os.PathLike, chunk: int = 1 << 22) -> int:
 
 
 _RANK_FILE = re.compile(
-    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_[^/]*|rank_(\d+)\.pt)$"
+    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_[^/]*|random_states_(\d+)\.pkl)$"
 )
 
 
 def writer_rank(name: str) -> int | None:
-    """The rank whose name a per-rank file carries (DCP shards, RNG states, DeepSpeed partitions), else None."""
+    """The rank whose name a per-rank file carries (DCP shards, RNG states: the Trainer's ``rng_state_N.pth``, the
+    loops' ``random_states_N.pkl``; DeepSpeed partitions), else None."""
     match = _RANK_FILE.search(name)
     return None if match is None else int(next(g for g in match.groups() if g is not None))
 
