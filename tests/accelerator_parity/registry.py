@@ -1,0 +1,40 @@
+"""The scenarios, as plain data (listing them imports neither torch nor an implementation).
+
+Each scenario is a function of the same name in ``scenarios_train`` or ``scenarios_misc``; a run plays its phases in
+order, each phase a fresh launch of every rank (a resumed run is a new process, as after a real interruption).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IMPLS = ("stock", "ours")
+NPROCS = (1, 2)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """``phases``: played by both implementations; ``ours_only``: phases that only trainer_ext can play."""
+
+    phases: tuple[str, ...] = ("run",)
+    ours_only: tuple[str, ...] = ()
+
+    def phases_for(self, impl: str) -> tuple[str, ...]:
+        return self.phases + (self.ours_only if impl == "ours" else ())
+
+
+RESUME = ("full", "interrupted", "resumed")
+
+SCENARIOS: dict[str, Spec] = {
+    "plain": Spec(),
+    "accumulation": Spec(),
+    "resume_accelerate_style": Spec(RESUME),
+    "resume_ours_style": Spec(("full",), ours_only=("interrupted", "resumed", "resumed_skip_by_hand")),
+    "checkpoint_rotation": Spec(),
+    "trackers": Spec(),
+    "split_between_processes": Spec(),
+    "uneven_eval": Spec(("even_batches", "uneven_batches")),
+    "join_uneven_inputs": Spec(("dataloader_config", "override")),
+    "save_model": Spec(),
+    "kwargs_handlers": Spec(),
+}

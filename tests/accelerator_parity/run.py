@@ -1,0 +1,133 @@
+"""Run one scenario under one implementation on N CPU processes (every phase); write what the ranks observed.
+
+    python -m tests.accelerator_parity.run --scenario plain --nproc 2 --impl stock --out x.json
+
+(from the repository root, in an environment with accelerate: /tmp/acc-venv). Each phase is one launch of
+``torch.distributed.run --standalone`` (gloo on loopback, a free port); rank 0's tensors go beside the JSON in
+``x.files/PHASE/``, referred to relatively from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .registry import IMPLS, NPROCS, SCENARIOS
+
+ROOT = Path(__file__).resolve().parents[2]
+# A phase takes 4 to 18 s (two runs side by side on 2 cores); more is a hang.
+PHASE_TIMEOUT_S = float(os.environ.get("ACCELERATOR_PARITY_TIMEOUT", "45"))
+
+
+def child_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outdir: Path, timeout: float) -> dict:
+    """One phase on ``nproc`` ranks: its status (``ok``, ``exit N``, ``timeout``), each rank's record, the log tail.
+
+    A phase past ``timeout`` gets SIGTERM: torchrun passes it on to the ranks, which print their stacks first (the
+    log tail then shows where each one hung), then SIGKILL for whatever is left of the launcher's process group.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0",
+        "-m", "tests.accelerator_parity.worker", "--impl", impl, "--scenario", scenario, "--phase", phase,
+        "--processes", str(nproc), "--workdir", str(workdir), "--outdir", str(outdir),
+    ]  # fmt: skip
+    outdir.mkdir(parents=True, exist_ok=True)
+    log_path = outdir / "launcher.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            process.wait(timeout=timeout)
+            status = "ok" if process.returncode == 0 else f"exit {process.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"timeout ({timeout:.0f}s)"
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    ranks = []
+    for rank in range(nproc):
+        path = outdir / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    return {"status": status, "ranks": ranks, "log_tail": log_path.read_text(errors="replace")[-6000:]}
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for package in ("torch", "transformers", "accelerate", "trainer_ext", "tensorboard"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def run_scenario(
+    scenario: str, nproc: int, impl: str, out: Path, timeout: float = PHASE_TIMEOUT_S, keep: bool = False
+) -> dict[str, Any]:
+    """Every phase of ``scenario`` in one working folder; the result is written to ``out`` and returned."""
+    started = time.perf_counter()
+    files = out.parent / f"{out.stem}.files"
+    shutil.rmtree(files, ignore_errors=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f"accparity-{scenario}-{impl}-{nproc}-"))
+    result: dict[str, Any] = {"scenario": scenario, "impl": impl, "nproc": nproc, "phases": {}}
+    try:
+        for phase in SCENARIOS[scenario].phases_for(impl):
+            observed = launch(impl, scenario, phase, nproc, workdir, files / phase, timeout)
+            for record in filter(None, observed["ranks"]):
+                record["weights"] = {k: f"{files.name}/{v}" for k, v in record.get("weights", {}).items()}
+            result["phases"][phase] = observed
+    finally:
+        if keep:
+            print(f"kept {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["versions"] = versions()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    parser.add_argument("--nproc", type=int, default=1, choices=NPROCS)
+    parser.add_argument("--impl", required=True, choices=IMPLS)
+    parser.add_argument("--out", required=True, help="the JSON result (tensors go to OUT_STEM.files/ beside it)")
+    parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
+    parser.add_argument("--keep", action="store_true", help="keep the working folder (checkpoints, project dirs)")
+    options = parser.parse_args(argv)
+    result = run_scenario(
+        options.scenario, options.nproc, options.impl, Path(options.out), options.timeout, options.keep
+    )
+    for phase, observed in result["phases"].items():
+        print(f"{phase}: {observed['status']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

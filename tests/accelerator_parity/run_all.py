@@ -1,0 +1,81 @@
+"""Run the scenarios under both implementations on 1 and 2 processes, compare, print a table.
+
+    python -m tests.accelerator_parity.run_all                       # everything
+    python -m tests.accelerator_parity.run_all -k resume --nproc 2   # names containing "resume", 2 processes
+    python -m tests.accelerator_parity.run_all --outdir /tmp/accparity  # keep the JSON results there
+
+(from the repository root, in an environment with accelerate). Results: OUTDIR/SCENARIO.IMPL.NPROC.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .compare import Report, compare, load
+from .registry import IMPLS, NPROCS, SCENARIOS
+from .run import PHASE_TIMEOUT_S, run_scenario
+
+
+def result_path(outdir: Path, scenario: str, impl: str, nproc: int) -> Path:
+    return outdir / f"{scenario}.{impl}.{nproc}.json"
+
+
+def run_many(cases: list[tuple[str, int]], outdir: Path, jobs: int = 2, timeout: float = PHASE_TIMEOUT_S) -> dict:
+    """Every (scenario, nproc) under both implementations, ``jobs`` runs at a time; ``{case: Report}``."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    runs = [(scenario, nproc, impl) for scenario, nproc in cases for impl in IMPLS]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda c: run_scenario(c[0], c[1], c[2], result_path(outdir, *c[::2], c[1]), timeout), runs))
+    reports = {}
+    for scenario, nproc in cases:
+        stock, ours = (result_path(outdir, scenario, impl, nproc) for impl in IMPLS)
+        reports[(scenario, nproc)] = compare(load(stock), load(ours), outdir, outdir)
+    return reports
+
+
+def table(reports: dict[tuple[str, int], Report]) -> str:
+    rows = ["| scenario | procs | result | first difference |", "|---|---|---|---|"]
+    for (scenario, nproc), report in reports.items():
+        first = report.failures[0].replace("|", "\\|") if report.failures else ""
+        more = f" (+{len(report.failures) - 1} more)" if len(report.failures) > 1 else ""
+        rows.append(f"| {scenario} | {nproc} | {'pass' if report.ok else 'FAIL'} | {first[:200]}{more} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", action="append", default=[], help="only the scenarios whose name contains this")
+    parser.add_argument("--nproc", type=int, action="append", choices=NPROCS, help="only this process count")
+    parser.add_argument("--outdir", help="where the results go (default: a temporary folder, kept)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
+    options = parser.parse_args(argv)
+    names = [n for n in SCENARIOS if not options.k or any(k in n for k in options.k)]
+    cases = [(name, nproc) for name in names for nproc in options.nproc or NPROCS]
+    outdir = Path(options.outdir or tempfile.mkdtemp(prefix="accparity-results-"))
+    started = time.perf_counter()
+    reports = run_many(cases, outdir, options.jobs, options.timeout)
+    for report in reports.values():
+        print(report.text())
+    print()
+    print(table(reports))
+    worst: dict[str, float] = {}
+    for report in reports.values():
+        for kind, error in report.worst.items():
+            worst[kind] = max(worst.get(kind, 0.0), error)
+    print(
+        "\nlargest stock-vs-ours errors (relative; weights: max abs):",
+        ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())),
+    )
+    failed = sum(not r.ok for r in reports.values())
+    print(f"\n{len(reports) - failed}/{len(reports)} pass; {time.perf_counter() - started:.0f}s; results in {outdir}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

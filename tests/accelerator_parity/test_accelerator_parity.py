@@ -1,0 +1,63 @@
+"""Drop-in parity for hand-written loops: each accelerate-style script observes the same with
+``accelerate.Accelerator`` and with ``trainer_ext.Accelerator``, on 1 and 2 CPU processes.
+
+The stock side needs accelerate, which the main environment must not have: the tests are skipped there, unless
+``TRAINER_EXT_REQUIRE_ACCELERATE=1`` (CI), which makes a missing accelerate an error. See README.md for the
+environment that runs them. ``ACCELERATOR_PARITY_RESULTS=DIR`` keeps the JSON results.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .registry import NPROCS, SCENARIOS
+from .run_all import run_many
+
+REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
+
+try:
+    import accelerate  # noqa: F401  (the stock side's; the scripts run in their own processes)
+except ImportError as exc:
+    NO_ACCELERATE: str | None = f"{type(exc).__name__}: {exc}"
+else:
+    NO_ACCELERATE = None
+
+pytestmark = [
+    pytest.mark.parity,
+    pytest.mark.skipif(
+        NO_ACCELERATE is not None and not REQUIRED,
+        reason="the stock side needs accelerate, which this environment must not have: "
+        "run in the side venv (tests/accelerator_parity/README.md)",
+    ),
+]
+
+CASES = [(name, nproc) for name in SCENARIOS for nproc in NPROCS]
+
+
+@pytest.fixture(scope="module")
+def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The selected cases, each run once under both implementations (two runs at a time)."""
+    if NO_ACCELERATE is not None:  # not skipped: CI requires accelerate
+        pytest.exit(
+            f"TRAINER_EXT_REQUIRE_ACCELERATE=1 but accelerate does not import ({NO_ACCELERATE}); the stock side needs "
+            "it: run in the side venv (tests/accelerator_parity/README.md)",
+            returncode=1,
+        )
+    selected = [
+        (item.callspec.params["scenario"], item.callspec.params["nproc"])
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    outdir = Path(os.environ.get("ACCELERATOR_PARITY_RESULTS") or tmp_path_factory.mktemp("accelerator-parity"))
+    return run_many([case for case in CASES if case in selected], outdir)
+
+
+@pytest.mark.parametrize(("scenario", "nproc"), CASES, ids=[f"{name}-{n}proc" for name, n in CASES])
+def test_accelerator_parity(scenario: str, nproc: int, reports: dict) -> None:
+    report = reports[(scenario, nproc)]
+    print(report.text())
+    if not report.ok:
+        pytest.fail(report.text(), pytrace=False)

@@ -1,0 +1,73 @@
+"""One rank of one phase of a scenario (started by ``run`` under ``torch.distributed.run``).
+
+    python -m tests.accelerator_parity.worker --impl ours --scenario plain --phase run --processes 2 \
+        --workdir W --outdir O
+
+Writes ``O/rank{RANK}.json`` (and rank 0's tensors). ``ours`` hides accelerate from the import system first, as
+where it is not installed; the record says whether it got imported anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+
+
+def die_with_launcher() -> None:
+    """A rank whose launcher is gone (killed after a hang) exits instead of waiting on its peers forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=("stock", "ours"), required=True)
+    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--phase", required=True)
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--outdir", required=True)
+    options = parser.parse_args(argv)
+    faulthandler.register(signal.SIGTERM, chain=True)  # killed after a hang or a peer's crash: say where it was
+    die_with_launcher()
+    if options.impl == "ours":
+        hide_accelerate()
+    quiet_and_deterministic()
+    import torch
+
+    from . import scenarios_misc, scenarios_train
+    from .api import Api
+    from .workload import Context, Recorder, error
+
+    torch.set_num_threads(1)
+    outdir = Path(options.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(int(os.environ.get("RANK", "0")), outdir, Path(options.workdir))
+    script = getattr(scenarios_train, options.scenario, None) or getattr(scenarios_misc, options.scenario)
+    try:
+        api = Api(options.impl)
+        recorder.put("set_seed_from", api.set_seed_from)
+        script(Context(api, options.phase, options.processes, Path(options.workdir), recorder))
+    except Exception as exc:  # what the script observed last; the comparison reports it
+        recorder.data["error"] = error(exc)
+    recorder.data["meta"] = {name: name in sys.modules for name in ("accelerate", "peft", "trainer_ext")}
+    recorder.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
