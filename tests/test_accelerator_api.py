@@ -260,3 +260,24 @@ def test_top_level_names() -> None:
     assert accelerator.verify_device_map(model)
     with accelerator.trigger_sync_in_backward(model):  # not DDP: nothing to do
         pass
+
+
+def test_load_state_names_the_files_a_run_needs_that_a_checkpoint_lacks(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    _prepared(accelerator)
+    accelerator.save_state(tmp_path / "state")
+    more = Accelerator(cpu=True)
+    _prepared(more)
+    second = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), lambda s: 1.0)
+    more.prepare_scheduler(second)
+    with pytest.raises(ConfigError, match=r"has no scheduler_1\.bin: it was written for other prepared objects"):
+        more.load_state(tmp_path / "state")
+
+
+def test_lomo_backward_needs_a_lomo_optimizer() -> None:
+    accelerator = Accelerator(cpu=True)
+    model, *_ = _prepared(accelerator)
+    with pytest.raises(ValueError, match="Backward pass not properly called on LOMO optimizers"):
+        accelerator.lomo_backward(model(torch.ones(1, 2)).sum(), 0.1)
+    with pytest.raises(ValueError, match="Unsupported kwargs handler passed: GradientAccumulationPlugin"):
+        Accelerator(cpu=True, kwargs_handlers=[GradientAccumulationPlugin(num_steps=2)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import timedelta
@@ -97,7 +98,26 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
         self.profile_handler = handlers.get(ProfileKwargs)
+        known = (
+            DistributedDataParallelKwargs,
+            GradScalerKwargs,
+            InitProcessGroupKwargs,
+            AutocastKwargs,
+            ProfileKwargs,
+        )
+        for cls in handlers:
+            if cls not in known:
+                raise ConfigError(
+                    f"Unsupported kwargs handler passed: {cls.__name__}; kwargs_handlers takes "
+                    f"{', '.join(k.__name__ for k in known)}"
+                )
         init = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        if init.get("init_method") is not None:
+            warnings.warn(
+                "InitProcessGroupKwargs(init_method=...) is not used: the process group starts from the launcher's "
+                "environment (MASTER_ADDR/MASTER_PORT)",
+                stacklevel=2,
+            )
         state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
         mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
         check_precision(mode, state.device)
@@ -167,8 +187,10 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
 
     @property
     def multi_device(self) -> bool:
-        """Several processes on accelerator devices (accelerate's meaning: not CPU processes)."""
-        return self.use_distributed and self.device.type != "cpu"
+        """Several DDP processes on accelerator devices (accelerate's meaning: not CPU processes, not FSDP/DeepSpeed)."""
+        return (
+            self.use_distributed and self.device.type != "cpu" and self.distributed_type == DistributedType.MULTI_GPU
+        )
 
     @property
     def should_save_model(self) -> bool:
@@ -321,6 +343,11 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         """Backward and update in one for LOMO/AdaLomo optimizers (``lomo-optim``)."""
         if learning_rate is None:
             raise ConfigError("A learning rate must be passed in order to call backward pass with LOMO optimizers.")
+        if not any(hasattr(o.optimizer, "fused_backward") for o in self.engine.prepared_optimizers):
+            raise ConfigError(
+                "Backward pass not properly called on LOMO optimizers. Are you sure you passed a LOMO optimizer in "
+                "accelerator.prepare()?"
+            )
         self.engine.backward(loss, learning_rate=learning_rate)
 
     def _do_sync(self) -> None:

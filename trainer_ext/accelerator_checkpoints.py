@@ -139,6 +139,7 @@ class CheckpointsMixin:
                 logger.warning("Deleting %d checkpoints to make room for new checkpoint.", extra)
                 for _, folder in saved[:extra]:
                     shutil.rmtree(folder)
+        self.wait_for_everyone()  # every process looks at the folder after the main one made room
         folder = root / f"checkpoint_{config.iteration}"
         if folder.exists():
             raise ConfigError(
@@ -147,6 +148,10 @@ class CheckpointsMixin:
             )
         self.wait_for_everyone()
         return folder
+
+    def _hidden_from_hooks(self, model: torch.nn.Module) -> bool:
+        strategy = self.engine.strategy
+        return bool(strategy.own_checkpoint_format or strategy.shards_model(model))
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry
@@ -187,15 +192,15 @@ class CheckpointsMixin:
             if not hooks:
                 return
             models = objects["models"]
-            # accelerate hands the hooks the state dicts it is about to write: none for models sharded over ranks
-            whole = [model for model in models if not objects["strategy"].shards_model(model)]
-            weights = [model.state_dict() for model in whole]
-            keys = [id(w) for w in weights]
+            # accelerate hands the hooks the state dicts it is about to write: none for models it does not write
+            # whole (sharded over ranks, or in the backend's own checkpoint)
+            whole = [model for model in models if not self._hidden_from_hooks(model)]
+            originals = [model.state_dict() for model in whole]
+            weights = list(originals)
             for hook in hooks:
                 hook(models, weights, str(folder))
-            remaining = {id(w) for w in weights}
-            dropped = {id(m) for m, key in zip(whole, keys, strict=True) if key not in remaining}
-            models[:] = [m for m in models if id(m) not in dropped]
+            dropped = [m for m, w in zip(whole, originals, strict=True) if not any(w is kept for kept in weights)]
+            models[:] = [m for m in models if not any(m is d for d in dropped)]
 
         path = checkpoint.save_state(
             output_dir,
@@ -221,8 +226,13 @@ class CheckpointsMixin:
         else:
             input_dir = checkpoint.latest_state(self._checkpoints_root("load_state()"))
         objects = self._checkpoint_objects()
-        for hook in self._load_state_pre_hooks.values():
-            hook(objects["models"], str(input_dir))
+        if self._load_state_pre_hooks:  # hooks see the models loaded from whole files, as in accelerate
+            visible = [m for m in objects["models"] if not self._hidden_from_hooks(m)]
+            shown = list(visible)
+            for hook in self._load_state_pre_hooks.values():
+                hook(visible, str(input_dir))
+            taken = [m for m in shown if not any(m is kept for kept in visible)]
+            objects["models"][:] = [m for m in objects["models"] if not any(m is t for t in taken)]
         extra = checkpoint.load_state(input_dir, self.state, **objects)
         # the accumulation count is in micro-batches of this process: on another number of processes, the same
         # share of the epoch (the loaders translate their positions the same way)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, Joinable
 
 from .distributed.data import BatchSamplerShard
 from .distributed.state import DistState
@@ -125,6 +125,14 @@ class ProcessesMixin:
         collectives of the processes that ran out (``even_batches=False``). ``even_batches`` overrides the
         accelerator's for the map-style loaders prepared so far, inside the block only."""
         if self.num_processes == 1:
+            yield
+            return
+        if not all(isinstance(j, Joinable) for j in joinables):  # FSDP2 modules, DeepSpeed engines
+            warnings.warn(
+                "join_uneven_inputs joins DDP models (torch Joinables) only; these are not, so the block runs as is: "
+                "keep even_batches=True for them",
+                stacklevel=3,
+            )
             yield
             return
         restore: list[tuple[BatchSamplerShard, bool]] = []

@@ -363,3 +363,13 @@ def test_trainer_evaluate_on_an_iterable_dataset_is_the_per_sample_mean(tmp_path
     assert math.isclose(metrics["eval_loss"], expected, rel_tol=1e-6)
     predictions = trainer.predict(RegressionStream(66)).predictions
     assert predictions.shape == (66,)
+
+
+def test_a_seedable_loader_cut_short_by_drop_last_still_moves_to_the_next_epoch() -> None:
+    """5 batches on 2 ranks with drop_last: each pass stops after 2 rounds, before the sampler runs out; the next
+    pass must still shuffle anew (accelerate sets the epoch at every pass)."""
+    loader = _loader(Indices(10), 2, 2, 0, shuffle=True, drop_last=True)
+    passes = [_lists(loader) for _ in range(3)]
+    assert all(len(p) == 2 for p in passes)
+    assert passes[0] != passes[1] != passes[2]
+    assert loader.state_dict()["epoch"] == 3

@@ -304,11 +304,17 @@ def load_state(
             _processes(saved_ranks),
             state.num_processes,
         )
+    expected = [_numbered("scheduler", i, ".bin") for i in range(len(schedulers))]
+    expected += [f"custom_checkpoint_{i}.pkl" for i in range(len(custom or []))]
+    expected += [] if moved else [_rank_file(state.process_index)]
+    _require(src, expected)
     if strategy is not None and strategy.load_training_state(src, models, optimizers):
         models, optimizers = [], []  # loaded by the strategy
     elif sharded_checkpoint.has_sharded_model(src / "model_0"):  # saved sharded, loaded into whole models
         load_sharded(src, models, optimizers)
         models, optimizers = [], []
+    _require(src, [_numbered("model", i, ".safetensors") for i in range(len(models))])
+    _require(src, [_numbered("optimizer", i, ".bin") for i in range(len(optimizers))])
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(
             load_file(str(src / _numbered("model", i, ".safetensors"))), strict=False
@@ -343,6 +349,17 @@ def load_state(
         if position is not None and hasattr(dl, "load_state_dict"):
             dl.load_state_dict(position)
     return json.loads((src / "state.json").read_text())
+
+
+def _require(src: Path, names: list[str]) -> None:
+    """Every file this run's objects need is there; else one clear error naming them (not a raw FileNotFoundError)."""
+    missing = [name for name in names if not (src / name).is_file()]
+    if missing:
+        raise ConfigError(
+            f"{str(src)!r} has no {', '.join(missing)}: it was written for other prepared objects (or by another "
+            "version of save_state); prepare the same models, optimizers, schedulers and registered objects as the "
+            "run that saved it, or pick another checkpoint directory"
+        )
 
 
 def _processes(count: int) -> str:

@@ -262,6 +262,13 @@ class ShardedDataLoader(TrackedIteration, DataLoader):
         torch.set_rng_state(state)
         return iterator
 
+    def _on_iter_end(self) -> None:
+        """A finished pass moves a seedable sampler to the next epoch even when the pass stopped before the sampler
+        ran out (``drop_last`` rounds): every epoch gets its own order, as accelerate's ``set_epoch`` per pass does."""
+        sampler = getattr(self.batch_sampler.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch") and self.epoch == self._iter_epoch:
+            self.batch_sampler.set_epoch(self._iter_epoch + 1)
+
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch being read, the batches of it already handed out (on this rank, and in
         unsharded batches), and what the pass's shuffle order started from (a plain ``RandomSampler``)."""

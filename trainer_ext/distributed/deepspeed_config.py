@@ -449,8 +449,8 @@ class _TransformersView:
     def is_zero3(self) -> bool:
         zero3 = self._config.is_zero3()
         if zero3 and self._hook is not None:
-            hook, self._hook = self._hook, None
-            hook()
+            self._hook()
+            self._hook = None  # after it succeeded: a failed start is tried again at the next query
         return zero3
 
     def __getattr__(self, name: str) -> Any:
