@@ -25,8 +25,11 @@ from typing import Any
 from .registry import IMPLS, NPROCS, SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
-# A phase takes 4 to 18 s (two runs side by side on 2 cores); more is a hang.
-PHASE_TIMEOUT_S = float(os.environ.get("ACCELERATOR_PARITY_TIMEOUT", "45"))
+# A phase takes 4 to 18 s (two runs side by side on 2 cores), up to ~50 s while CI's other steps share the cores;
+# more is a hang. The one phase known to hang (stock's join_uneven_inputs on CPU) is cut short instead.
+PHASE_TIMEOUT_S = float(os.environ.get("ACCELERATOR_PARITY_TIMEOUT", "180"))
+KNOWN_HANG_S = 45.0
+KNOWN_HANGS = {("join_uneven_inputs", "dataloader_config", "stock")}  # accelerate's Join does nothing on CPU
 
 
 def child_env() -> dict[str, str]:
@@ -96,7 +99,10 @@ def run_scenario(
     result: dict[str, Any] = {"scenario": scenario, "impl": impl, "nproc": nproc, "phases": {}}
     try:
         for phase in SCENARIOS[scenario].phases_for(impl):
-            observed = launch(impl, scenario, phase, nproc, workdir, files / phase, timeout)
+            hangs = nproc > 1 and (scenario, phase, impl) in KNOWN_HANGS
+            observed = launch(
+                impl, scenario, phase, nproc, workdir, files / phase, min(timeout, KNOWN_HANG_S) if hangs else timeout
+            )
             for record in filter(None, observed["ranks"]):
                 record["weights"] = {k: f"{files.name}/{v}" for k, v in record.get("weights", {}).items()}
             result["phases"][phase] = observed
