@@ -185,6 +185,13 @@ ALLOWED = (
         ("trackers",),
     ),
     Allowed(
+        r"^\w+\.status: stock '(timeout \(\d+s\)|exit -?\d+)', ours 'ok'$",
+        "accelerate leaves torch's gloo group to interpreter teardown and destroys it without a barrier; on a loaded "
+        "CPU machine a stock rank now and then hangs or aborts there, after its last observation (seen in CI). The "
+        "records are written as the script goes and compared in full, so a stock rank stopped any earlier still "
+        "fails on what it did not observe",
+    ),
+    Allowed(
         r"(dict5|tuple5)_padding=True",
         "accelerate 1.15 bugs: split_between_processes(apply_padding=True) raises TypeError on a tuple and, on a dict "
         "of a list and a tensor, loses samples (ranks get [0, 1] and [4, 4] of 5); trainer_ext gives each process "

@@ -114,16 +114,18 @@ class Recorder:
 
     def put(self, key: str, value: Any) -> None:
         self.data[key] = jsonable(value)
+        self.write()
 
     def add(self, key: str, value: Any) -> None:
         self.data.setdefault(key, []).append(jsonable(value))
+        self.write()
 
     def stage(self, name: str, action: Callable[[], Any]) -> Any:
         """Run one independent part of a script; store its value, or the exception it raised, under ``name``."""
         try:
             value = action()
         except Exception as exc:
-            self.data[name] = {"error": error(exc)}
+            self.put(name, {"error": error(exc)})
             return None
         self.put(name, value)
         return value
@@ -136,14 +138,22 @@ class Recorder:
                 {k: v.detach().float().contiguous().cpu() for k, v in state.items()},
                 self.outdir / f"{name}.safetensors",
             )
+            self.write()
 
     def write(self) -> None:
-        """The record, with the working folder written ``<WORKDIR>`` and loopback ports blanked (both vary by run)."""
+        """The record, with the working folder written ``<WORKDIR>`` and loopback ports blanked (both vary by run).
+
+        Written after every observation: a rank that hangs or crashes later (stock's gloo teardown does, now and
+        then) leaves what it observed until then, so the comparison shows where it stopped.
+        """
         text = json.dumps(self.data, indent=1, sort_keys=True)
         for root in sorted({str(self.workdir.resolve()), str(self.workdir)}, key=len, reverse=True):
             text = text.replace(root, "<WORKDIR>")
         text = re.sub(r"(\[127\.0\.0\.1\]|localhost):\d+", r"\1:<port>", text)
-        (self.outdir / f"rank{self.rank}.json").write_text(text + "\n")
+        path = self.outdir / f"rank{self.rank}.json"
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(text + "\n")
+        partial.replace(path)  # a reader never sees half a record
 
 
 class Epoch:
