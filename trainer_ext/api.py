@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from transformers import DataCollatorForLanguageModeling, DataCollatorWithPaddin
 from . import output_dir
 from .arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
 from .errors import ConfigError, did_you_mean
+from .lora import MERGED_DIR, apply_lora, save_merged
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ def train(
     """Run one job (train, evaluate, save model + tokenizer + config) and return its train and eval metrics.
 
     ``args`` is the arguments object, a dict of its fields, or command-line flags; ``callbacks`` go to the Trainer.
+    With ``lora_r`` the model trains as LoRA adapters and ``output_dir`` receives the adapter (``merge_lora``: also
+    the merged model in ``output_dir/merged``, merged in place at the very end).
     """
     args = _as_job_arguments(args)
     if args.process_index == 0 and args.auto_filled:
@@ -48,6 +52,8 @@ def train(
     transformers.set_seed(args.seed)  # the same initial weights for a model from scratch on every run and rank
     tokenizer = build_tokenizer(args, raw["train"][text_column])
     model = build_model(args, tokenizer, labels)
+    if args.lora_r:
+        model = apply_lora(args, model)
     with args.main_process_first(desc="tokenizing"):
         tokenized = tokenize(args, raw, tokenizer, text_column, label_column, labels)
 
@@ -93,6 +99,8 @@ def train(
         trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
     trainer.save_state()
+    if args.merge_lora:  # last: the merge is done in place
+        save_merged(trainer, os.path.join(args.output_dir, MERGED_DIR))
     return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
 
 

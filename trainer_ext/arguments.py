@@ -14,6 +14,7 @@ from typing import Any
 
 from .data import CORPUS, SENTIMENT
 from .errors import ConfigError, did_you_mean
+from .lora_arguments import LORA_ALPHA_PER_RANK, LORA_DROPOUT, LoraArguments
 from .training_args import TrainingArguments
 
 TASKS = ("sequence-classification", "causal-lm")
@@ -224,7 +225,7 @@ def data_builder(path: str, flag: str = "train_file") -> str:
 
 
 @dataclass
-class TrainJobArguments(ModelArguments, DataArguments, TrainingArguments):
+class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, TrainingArguments):
     """Everything one job needs: model and data fields plus every TrainingArguments flag.
 
     The TrainingArguments fields redeclared below with default None are filled from AUTO_DEFAULTS, by the
@@ -281,6 +282,9 @@ class TrainJobArguments(ModelArguments, DataArguments, TrainingArguments):
     def __post_init__(self) -> None:
         self.validate_model()
         self.validate_data()
+        self.validate_lora()
+        if self.lora_r:
+            self._fill(lora_alpha=LORA_ALPHA_PER_RANK * self.lora_r, lora_dropout=LORA_DROPOUT)
         builtin = not (self.model_name_or_path or self.model_config or self.dataset_name or self.train_file)
         if self.from_scratch and self.model_config is None:
             self.model_config = DEFAULT_PRESET[self.task]
@@ -308,7 +312,11 @@ class TrainJobArguments(ModelArguments, DataArguments, TrainingArguments):
                 self.auto_filled[name] = value
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that identify a job's model and data: two runs with equal fingerprints are the same job."""
+        """The fields that identify a job's model and data: two runs with equal fingerprints are the same job.
+
+        A LoRA job adds its rank and target modules (what its checkpoints hold); a full fine-tune has neither key, so
+        runs recorded before LoRA flags existed keep their fingerprint.
+        """
         keys = (
             "task",
             "model_name_or_path",
@@ -325,6 +333,8 @@ class TrainJobArguments(ModelArguments, DataArguments, TrainingArguments):
         for key in ("train_file", "validation_file", "model_config"):
             if values[key] and os.path.exists(values[key]):
                 values[key] = os.path.abspath(values[key])
+        if self.lora_r:
+            values.update(lora_r=self.lora_r, lora_target_modules=self.lora_target_modules)
         return values
 
 

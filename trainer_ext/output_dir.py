@@ -38,7 +38,10 @@ RUN_ARTIFACTS = (
     "train_results.json",
     "eval_results.json",
     "all_results.json",
+    "adapter_model.safetensors",  # a LoRA run's (trainer-ext train --lora_r)
+    "adapter_config.json",
 )
+RUN_FOLDERS = ("merged",)  # --merge_lora's export
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
 
 
@@ -146,6 +149,8 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
                 shutil.rmtree(checkpoint)
             for name in RUN_ARTIFACTS:
                 (out / name).unlink(missing_ok=True)
+            for name in RUN_FOLDERS:
+                shutil.rmtree(out / name, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{RUN_FILE}.tmp"
         tmp.write_text(

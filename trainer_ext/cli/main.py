@@ -56,7 +56,9 @@ def run_train(argv: Sequence[str]) -> int:
     )
     train(args)
     if is_main:
-        print(f"model, tokenizer and config saved to {args.output_dir}")
+        saved = "LoRA adapter and tokenizer" if args.lora_r else "model, tokenizer and config"
+        merged = f" (merged model: {args.output_dir}/merged)" if args.merge_lora else ""
+        print(f"{saved} saved to {args.output_dir}{merged}")
     return 0
 
 
