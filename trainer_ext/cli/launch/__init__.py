@@ -15,6 +15,7 @@ The modules import in one direction, each only from those below it:
     settings     command line > config file > defaults, with sources and problems
     config_file  launch config files (ours and accelerate's keys)
     target       what to run
+    swap         run in each process by --swap_trainer: our Trainer classes in transformers', then the script
 """
 
 from __future__ import annotations

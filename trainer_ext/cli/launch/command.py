@@ -29,6 +29,8 @@ def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan,
         parser.print_help()
         raise SystemExit(0)
     namespace = parser.parse_args(options)
+    if target is not None and namespace.swap_trainer:
+        target.swap = True
     path, how = find_config_file(namespace.config_file)
     config = read_config_file(path) if path is not None else None
     if config is not None:

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--debug", action="store_const", const=True, help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
     add("--config_file", metavar="FILE", help="launch config (default: $TRAINER_EXT_CONFIG_FILE or ~/.cache/...)")
     add("--dry_run", action="store_true", default=False, help="print the settings and the command, start nothing")
+    add(
+        "--swap_trainer",
+        action="store_true",
+        default=False,
+        help="run an unmodified transformers script with trainer_ext's Trainer and TrainingArguments in place of "
+        "transformers' (no accelerate needed)",
+    )
     return p
 
 
@@ -99,5 +106,5 @@ def given_options(
     """The options given on the command line: name -> (value, the flag as typed)."""
     dest_of = {s: a.dest for a in parser._actions for s in a.option_strings}
     flags = {dest_of[w.split("=")[0]]: w.split("=")[0] for w in options if w.split("=")[0] in dest_of}
-    skip = ("config_file", "dry_run")
+    skip = ("config_file", "dry_run", "swap_trainer")
     return {k: (v, flags.get(k, f"--{k}")) for k, v in vars(namespace).items() if v is not None and k not in skip}

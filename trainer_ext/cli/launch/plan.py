@@ -53,6 +53,8 @@ def rendezvous_args(s: Settings) -> list[str]:
 def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     """The command and environment for ``target`` under settings ``s`` (``strategy=False``: DDP only)."""
     notes: list[str] = []
+    if target.kind == "train" and target.swap:
+        notes.append("--swap_trainer changes nothing for train: it runs trainer_ext's Trainer already")
     deepspeed = fsdp = None
     if target.kind == "train":
         user_args = target.args
@@ -74,11 +76,7 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     if s.world_size == 1 and not s["max_restarts"]:
         return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
-    torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])]
-    if target.kind == "script":
-        torchrun += [target.name, *target.args]
-    else:
-        torchrun += target.python_argv()
+    torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])] + target.python_argv()
     return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed, fsdp)
 
 
