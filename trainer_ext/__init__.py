@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "trainer_ext.trainer",
+    "adapt": "trainer_ext.foreign_trainers",
     "TrainingArguments": "trainer_ext.training_args",
     "Accelerator": "trainer_ext.accelerator",
     "DistributedType": "trainer_ext.distributed.state",

@@ -76,17 +76,29 @@ class SteppedByEngine:
         self.scheduler.load_state_dict(state)
 
 
+def _foreign_arguments(args: Any) -> str:
+    """What to do with arguments that are not ours: plain transformers ones, or another trainer's own class."""
+    name = f"{type(args).__module__}.{type(args).__qualname__}"
+    stock = TrainingArguments.__bases__[0]  # transformers' own, even where --swap_trainer rebinds the public name
+    if type(args) is stock or not isinstance(args, stock):
+        return (
+            f"trainer_ext.Trainer needs trainer_ext.TrainingArguments, got {name}; replace "
+            "`from transformers import TrainingArguments` with `from trainer_ext import TrainingArguments`"
+        )
+    return (
+        f"trainer_ext.Trainer got {name}, the arguments of another trainer; run that trainer on trainer_ext's engine "
+        f"with its own arguments unchanged: `trainer_ext.adapt(ItsTrainer)(args=...)` (e.g. "
+        "`trainer_ext.adapt(trl.SFTTrainer)(model=..., args=SFTConfig(...))`)"
+    )
+
+
 class Trainer(AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
         _compat.install()  # the accelerate names transformers' training loop reaches, patched in when first needed
         if args is not None and not isinstance(args, TrainingArguments):
-            raise ConfigError(
-                f"trainer_ext.Trainer needs trainer_ext.TrainingArguments, got {type(args).__module__}."
-                f"{type(args).__name__}; replace `from transformers import TrainingArguments` with "
-                "`from trainer_ext import TrainingArguments`"
-            )
+            raise ConfigError(_foreign_arguments(args))
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # transformers' default for a Trainer without args
         super().__init__(model=model, args=args, **kwargs)

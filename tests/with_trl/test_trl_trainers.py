@@ -1,0 +1,173 @@
+"""TRL's trainers on our engine through ``trainer_ext.adapt``: the same losses as TRL's stock path, 2 processes as 1,
+and a resumed run bitwise equal to the uninterrupted one.
+
+Each case is ``trl_job`` (a TRL quick-start script on a tiny Llama and local rows) run in its own process: ``stock``
+is TRL as installed (accelerate underneath), ``ours`` changes one line, ``Trainer = adapt(Trainer)``. Measured on CPU
+fp32: stock and ours agree bitwise, and 2 processes agree with 1 within 1e-7 relative (another reduction order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.with_trl.trl_job import TRAINERS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = Path(os.environ.get("TRL_TEST_DIR", "")) if os.environ.get("TRL_TEST_DIR") else None
+SAME_PROCESS_COUNT_RTOL = 0.0  # stock vs ours on one process: bitwise
+TWO_PROCESSES_RTOL = 1e-5  # 2 ranks x batch 2 vs 1 x batch 4: the same samples per step, another reduction order
+TWO_PROCESSES_WEIGHTS_ATOL = 1e-5
+
+
+@cache
+def _root() -> Path:
+    import tempfile
+
+    return WORK or Path(tempfile.mkdtemp(prefix="trl-tests-"))
+
+
+def _run(trainer: str, impl: str, name: str, nproc: int = 1, resume_from: str | None = None) -> dict:
+    """One ``trl_job`` run (cached by ``name``); its result.json plus the folder it wrote."""
+    return _cached(trainer, impl, name, nproc, resume_from)
+
+
+@cache
+def _cached(trainer: str, impl: str, name: str, nproc: int, resume_from: str | None) -> dict:
+    out = _root() / trainer / name
+    shutil.rmtree(out, ignore_errors=True)
+    extra: list[str] = []
+    if resume_from is not None:  # only the interrupted run's checkpoint-3, as after a crash at step 4
+        source = _root() / trainer / resume_from / "checkpoint-3"
+        shutil.copytree(source, out / "checkpoint-3")
+        extra.append("--resume")
+    batch = 4 // nproc
+    job = ["-m", "tests.with_trl.trl_job", "--trainer", trainer, "--impl", impl, "--out", str(out)]
+    job += ["--per_device_train_batch_size", str(batch), *extra]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *job]
+    else:
+        command = [sys.executable, *job]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    result = json.loads((out / "result.json").read_text())
+    result["weights"] = load_file(out / "final" / "model.safetensors")
+    return result
+
+
+def _needed(test: str, trainer: str, nproc: int) -> list[tuple]:
+    """The runs one test reads, as ``_cached`` arguments, in the order they can be made."""
+    ours, two = (trainer, "ours", "ours", 1, None), (trainer, "ours", "ours_2proc", 2, None)
+    if test.startswith("test_adapted"):
+        return [(trainer, "stock", "stock", 1, None), ours]
+    if test.startswith("test_two"):
+        return [ours, two]
+    full = ours if nproc == 1 else two
+    return [full, (trainer, "ours", full[2].replace("ours", "resumed"), nproc, full[2])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs_two_at_a_time(request: pytest.FixtureRequest) -> None:
+    """Make the selected tests' runs beforehand, two at a time (each run is mostly imports: ~8 s alone on 2 cores);
+    runs that resume wait for the ones they resume from."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first, second = [], []
+    for item in request.session.items:
+        if item.module is request.module and "trainer" in getattr(getattr(item, "callspec", None), "params", {}):
+            params = item.callspec.params
+            runs = _needed(item.originalname, params["trainer"], params.get("nproc", 1))
+            for run in runs:
+                (second if run[4] else first).append(run)
+
+    def make(run: tuple) -> None:
+        try:
+            _cached(*run)
+        except Exception:  # not cached: the test that reads this run makes it again and fails with its output
+            pass
+
+    _root()  # one folder for every thread
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for batch in (first, second):
+            list(pool.map(make, dict.fromkeys(batch)))
+
+
+def _losses(result: dict) -> dict[str, float]:
+    return {step: entry["loss"] for step, entry in result["steps"].items()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_adapted_trainer_matches_trl_on_its_stock_path(trainer: str) -> None:
+    stock, ours = _run(trainer, "stock", "stock"), _run(trainer, "ours", "ours")
+    assert stock["engine"] == "accelerate.accelerator.Accelerator"  # the stock path is accelerate's
+    assert ours["engine"] == "trainer_ext.distributed.engine.Engine"
+    assert ours["args_type"][1] == "trainer_ext.training_args.TrainingArguments"  # re-based, TRL's config first
+    assert ours["args_type"][0] == stock["args_type"][0]
+    assert len(ours["steps"]) == 6 and ours["final_step"] == stock["final_step"] == 6
+    for step, loss in _losses(stock).items():
+        assert ours["steps"][step]["loss"] == pytest.approx(loss, rel=SAME_PROCESS_COUNT_RTOL, abs=0.0), step
+        assert ours["steps"][step]["learning_rate"] == stock["steps"][step]["learning_rate"], step
+    assert _max_diff(stock["weights"], ours["weights"]) == 0.0
+    # the same files, plus the COMPLETE marker our checkpoints are committed by (docs/trainer.md)
+    assert set(ours["files"]) - {"checkpoint-3/COMPLETE", "checkpoint-6/COMPLETE"} == set(stock["files"])
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_two_processes_train_as_one(trainer: str) -> None:
+    one, two = _run(trainer, "ours", "ours"), _run(trainer, "ours", "ours_2proc", nproc=2)
+    assert two["world_size"] == 2 and two["engine"] == "trainer_ext.distributed.engine.Engine"
+    assert _losses(two).keys() == _losses(one).keys()
+    for step, loss in _losses(one).items():
+        assert two["steps"][step]["loss"] == pytest.approx(loss, rel=TWO_PROCESSES_RTOL), step
+    assert _max_diff(one["weights"], two["weights"]) <= TWO_PROCESSES_WEIGHTS_ATOL
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(trainer: str, nproc: int) -> None:
+    suffix = "" if nproc == 1 else "_2proc"
+    full = _run(trainer, "ours", f"ours{suffix}", nproc=nproc)
+    resumed = _run(trainer, "ours", f"resumed{suffix}", nproc=nproc, resume_from=f"ours{suffix}")
+    assert resumed["trained_steps"] == [4, 5, 6] and full["trained_steps"] == [1, 2, 3, 4, 5, 6]
+    assert _losses(resumed).keys() == _losses(full).keys()  # steps 1-3 from the checkpoint's trainer_state.json
+    for step, loss in _losses(resumed).items():
+        assert loss == full["steps"][step]["loss"], step
+        assert resumed["steps"][step]["learning_rate"] == full["steps"][step]["learning_rate"], step
+    assert _max_diff(full["weights"], resumed["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("config", ["SFTConfig", "DPOConfig", "RewardConfig"])
+def test_a_trl_config_is_rebased_with_every_field_kept(config: str, tmp_path: Path) -> None:
+    import trl
+
+    import trainer_ext
+    from trainer_ext.foreign_trainers import rebase_arguments
+    from trainer_ext.training_args import TrainingArguments as Ours
+
+    args = getattr(trl, config)(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=48, seed=3)
+    rebased = rebase_arguments(args)
+    assert isinstance(rebased, type(args)) and isinstance(rebased, Ours)
+    theirs, ours = args.to_dict(), rebased.to_dict()
+    assert {k: ours[k] for k in theirs} == theirs  # every field of TRL's config, with its value
+    assert set(ours) - set(theirs) == {f.name for f in fields(Ours)} - {f.name for f in fields(type(args).__mro__[1])}
+    with pytest.raises(trainer_ext.ConfigError, match=r"trainer_ext\.adapt\(ItsTrainer\)"):
+        trainer_ext.Trainer(model=torch.nn.Linear(2, 2), args=args)
