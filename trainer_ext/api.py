@@ -21,6 +21,7 @@ from . import output_dir
 from .arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
 from .errors import ConfigError, did_you_mean
 from .lora import MERGED_DIR, apply_lora, save_merged
+from .metrics.for_trainer import TrainerMetrics, build_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def train(
     from .trainer import Trainer
 
     classify = args.task == "sequence-classification"
+    compute_metrics = job_compute_metrics(args, labels)
     collator = (
         DataCollatorWithPadding(tokenizer) if classify else DataCollatorForLanguageModeling(tokenizer, mlm=False)
     )
@@ -71,7 +73,7 @@ def train(
             eval_dataset=tokenized.get("validation"),
             processing_class=tokenizer,
             data_collator=collator,
-            compute_metrics=accuracy if classify else None,
+            compute_metrics=compute_metrics,
             callbacks=list(callbacks or []),
         )
     except (ImportError, ValueError) as error:  # e.g. --report_to naming a tracker that is not installed
@@ -93,7 +95,7 @@ def train(
         eval_metrics["eval_samples"] = len(tokenized["validation"])
         if classify:
             eval_metrics["eval_baseline_accuracy"] = majority_share(tokenized["validation"]["labels"])
-        else:
+        elif "eval_perplexity" not in eval_metrics:  # --metrics perplexity computes it exactly, per token
             eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
@@ -360,10 +362,23 @@ def tokenize(
     }
 
 
-def accuracy(eval_pred: transformers.EvalPrediction) -> dict[str, float]:
-    """Share of examples whose highest logit is the label (computed here: no hub fetch for a metric)."""
-    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
-    return {"accuracy": float((np.argmax(logits, axis=-1) == eval_pred.label_ids).mean())}
+def job_compute_metrics(args: TrainJobArguments, labels: list[str] | None) -> TrainerMetrics | None:
+    """``compute_metrics`` for ``--metrics`` (default: accuracy for a classifier; none for causal-lm, whose perplexity
+    comes from eval_loss), streamed per batch with transformers' ``batch_eval_metrics`` so no logits pile up."""
+    names = args.metrics if args.metrics is not None else (["accuracy"] if labels else [])
+    if not names:
+        return None
+    try:
+        metrics = build_metrics(args.task, names, num_classes=len(labels or []), average=args.metrics_average)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if labels and len(labels) > 2 and any(getattr(m, "average", None) == "binary" for m in metrics):
+        raise ConfigError(
+            f"--metrics_average binary scores one class of two, but the data has {len(labels)} classes; "
+            "pass --metrics_average macro, micro or weighted"
+        )
+    args.batch_eval_metrics = True
+    return TrainerMetrics(metrics)
 
 
 def majority_share(labels: Sequence[int]) -> float:

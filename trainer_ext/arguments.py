@@ -15,6 +15,7 @@ from typing import Any
 from .data import CORPUS, SENTIMENT
 from .errors import ConfigError, did_you_mean
 from .lora_arguments import LORA_ALPHA_PER_RANK, LORA_DROPOUT, LoraArguments
+from .metrics_arguments import MetricsArguments
 from .training_args import TrainingArguments
 
 TASKS = ("sequence-classification", "causal-lm")
@@ -225,7 +226,7 @@ def data_builder(path: str, flag: str = "train_file") -> str:
 
 
 @dataclass
-class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, TrainingArguments):
+class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArguments, TrainingArguments):
     """Everything one job needs: model and data fields plus every TrainingArguments flag.
 
     The TrainingArguments fields redeclared below with default None are filled from AUTO_DEFAULTS, by the
@@ -283,6 +284,7 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, TrainingAr
         self.validate_model()
         self.validate_data()
         self.validate_lora()
+        self.validate_metrics()
         if self.lora_r:
             self._fill(lora_alpha=LORA_ALPHA_PER_RANK * self.lora_r, lora_dropout=LORA_DROPOUT)
         builtin = not (self.model_name_or_path or self.model_config or self.dataset_name or self.train_file)
