@@ -1,7 +1,8 @@
 """Save a model as safetensors, sharded above a size, the way ``from_pretrained`` reads it back.
 
-The one sharder (huggingface_hub's ``split_torch_state_dict_into_shards``, which ``save_pretrained`` uses too)
-and the one rule for tied weights (state-dict entries holding the same tensor, saved once under the first name).
+The one sharder (huggingface_hub's ``split_torch_state_dict_into_shards``, which ``save_pretrained`` uses too),
+the one rule for tied weights (state-dict entries holding the same tensor, saved once under the first name), and
+the one adapter export of a model no rank holds whole (FSDP2, DeepSpeed): its adapter only, gathered.
 """
 
 from __future__ import annotations
@@ -134,3 +135,53 @@ def save_model(
     tensors = drop_tied(model.state_dict() if state_dict is None else state_dict)
     plan = plan_shards(tensors, max_shard_size)
     return write_shards(out, plan, lambda names: {name: _on_cpu(tensors[name]) for name in names})
+
+
+# -- PEFT adapters ---------------------------------------------------------------------------------
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """A ``peft.PeftModel`` (duck-typed: peft is an optional dependency)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Saved as adapters: a PEFT model, or a transformers model given one by ``add_adapter``/``load_adapter``."""
+    return is_peft_model(model) or bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def adapter_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries (``keep_vars``: shards as they are) that the model's adapters save, by its own names.
+
+    peft picks them (``get_peft_model_state_dict``; every adapter of a PEFT model, the active one of a transformers
+    model, as their ``save_pretrained`` do), so a sharded model gathers these only, never the frozen base.
+    """
+    from peft import get_peft_model_state_dict  # the model has adapters: peft is installed
+
+    entries = model.state_dict(keep_vars=True)
+    names = list(model.peft_config) if is_peft_model(model) else model.active_adapters()[:1]
+    picked = {
+        id(tensor)
+        for name in names
+        for tensor in get_peft_model_state_dict(model, state_dict=entries, adapter_name=name).values()
+    }
+    return {name: tensor for name, tensor in entries.items() if id(tensor) in picked}
+
+
+def save_adapter(
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    is_main_process: bool,
+) -> Path:
+    """All ranks: gather the adapter tensors one by one (``gather`` may be a collective), then the main process
+    writes them with the model's ``save_pretrained`` (``adapter_model.safetensors`` + ``adapter_config.json``)."""
+    gathered = {}
+    for name, tensor in adapter_entries(model).items():  # the same order on every rank
+        full = gather(tensor)
+        if is_main_process:
+            gathered[name] = full
+    out = Path(directory)
+    if is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, state_dict=gathered)
+    return out

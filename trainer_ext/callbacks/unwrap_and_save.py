@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import _compat
 from ..checkpointing import sharded as sharded_checkpoint
 from ..distributed.strategies import checkpoint_owner
-from ..saving import save_model, tied_groups
+from ..saving import is_peft_model, save_model, tied_groups
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -40,13 +40,8 @@ class SavedModelMismatchError(RuntimeError):
     """The files saved for a model do not hold its parameter names and shapes."""
 
 
-def is_peft_model(model: torch.nn.Module) -> bool:
-    """A ``peft.PeftModel`` (duck-typed: peft is an optional dependency)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in state.items()}
+    return {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in state.items()}  # ZeRO-3: the full shape
 
 
 def _adapter_tensors(model: torch.nn.Module) -> dict[str, dict[str, tuple[int, ...]]] | None:
@@ -58,8 +53,11 @@ def _adapter_tensors(model: torch.nn.Module) -> dict[str, dict[str, tuple[int, .
     if is_peft_model(model):
         from peft import get_peft_model_state_dict  # peft is installed: the model is one of its classes
 
+        entries = model.state_dict(keep_vars=True)  # keep_vars: a ZeRO-3 partition keeps its full shape
         return {
-            "" if name == "default" else name: _shapes(get_peft_model_state_dict(model, adapter_name=name))
+            "" if name == "default" else name: _shapes(
+                get_peft_model_state_dict(model, state_dict=entries, adapter_name=name)
+            )
             for name in model.peft_config
         }
     if getattr(model, "_hf_peft_config_loaded", False):  # saved in PEFT's format: names under its wrapper's prefix
@@ -73,7 +71,7 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     tied = {name: set(group) - {name} for group in tied_groups(state) for name in group}
-    shapes = {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in state.items()}  # ZeRO-3: the full shape
+    shapes = _shapes(state)
     if getattr(model, "config", None) is not None and hasattr(model, "save_pretrained"):
         meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
         converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save

@@ -1,9 +1,10 @@
 """Sharded checkpoints (``torch.distributed.checkpoint``) and the consolidated export of a sharded model.
 
 Each rank writes its own shards; loading reshards to whatever the current job holds (FSDP on N ranks, or a
-plain model on one process), so a run can resume on another number of processes. The export writes
-``from_pretrained``-loadable safetensors from the main process one file at a time: no rank ever holds the
-whole model, only one output file and the tensor being gathered.
+plain model on one process), so a run can resume on another number of processes. The checkpoint of a model with
+adapters (PEFT) holds what it trains (the adapter, no frozen base), as transformers' own PEFT checkpoints do. The
+export writes ``from_pretrained``-loadable safetensors from the main process one file at a time: no rank ever holds
+the whole model, only one output file and the tensor being gathered.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
-from ..saving import drop_tied, plan_shards, write_shards
+from ..saving import drop_tied, has_adapters, plan_shards, write_shards
 from .safe_dcp import METADATA, SafeLoadPlanner, SafeReader, UnsafeCheckpointError, load_metadata
 
 MODEL_DIR = "model_sharded"
@@ -107,15 +108,27 @@ def check_shapes(
         raise ConfigError(f"{label} holds another model: " + "; ".join(problems))
 
 
+def _model_options(model: torch.nn.Module) -> StateDictOptions:
+    """A model with adapters (PEFT) checkpoints its trainable tensors only: its frozen base is the one the resuming
+    run builds."""
+    peft = has_adapters(model)
+    return StateDictOptions(ignore_frozen_params=peft, strict=not peft)
+
+
 def check_model_matches(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """ConfigError when the sharded checkpoint holds another model (names or full shapes differ)."""
+    """ConfigError when the sharded checkpoint holds another model (names or full shapes differ); the checkpoint of
+    a model with adapters may leave out its frozen parameters."""
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
-    check_shapes(Path(directory).name, saved_shapes(directory), expected)
+    must_have = None
+    if has_adapters(model):
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        must_have = [name for name in expected if name not in frozen]
+    check_shapes(Path(directory).name, saved_shapes(directory), expected, must_have)
 
 
 def save_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:
     """Every rank writes its shards of the model to ``directory/model_sharded`` (a collective)."""
-    _dcp(dcp.save, get_model_state_dict(model), Path(directory) / MODEL_DIR)
+    _dcp(dcp.save, get_model_state_dict(model, options=_model_options(model)), Path(directory) / MODEL_DIR)
 
 
 def save_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.PathLike) -> None:
@@ -127,9 +140,10 @@ def save_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.P
 def load_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:
     """Load a sharded model checkpoint into ``model``, sharded or not, on any number of processes."""
     check_model_matches(model, directory)
-    state = get_model_state_dict(model)
+    options = _model_options(model)
+    state = get_model_state_dict(model, options=options)
     _dcp(dcp.load, state, Path(directory) / MODEL_DIR)
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=options)
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.PathLike) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...saving import save_model
+from ...saving import has_adapters, save_adapter, save_model
 from ..state import DistributedType, DistState
 
 
@@ -132,6 +132,19 @@ class Strategy:
         """Write the consolidated, unwrapped model as safetensors (sharded above ``max_shard_size``); all ranks call."""
         if is_main_process:
             save_model(self.unwrap(model), directory, max_shard_size=max_shard_size)
+
+    def gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One whole tensor of the model, detached, on the CPU (a collective where the backend shards it)."""
+        return tensor.detach().to("cpu").contiguous()
+
+    def export_adapter(self, model: torch.nn.Module, directory: str | os.PathLike, *, is_main_process: bool) -> bool:
+        """A model with adapters (PEFT, transformers' ``add_adapter``): write its adapter only, each tensor gathered
+        by :meth:`gather_tensor` (all ranks call), and return True; other models: False. The base is never gathered."""
+        unwrapped = self.unwrap(model)
+        if not has_adapters(unwrapped):
+            return False
+        save_adapter(unwrapped, directory, self.gather_tensor, is_main_process=is_main_process)
+        return True
 
     def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
         """Sharded models (``shards_model``): every rank writes its part of ``model`` into a Trainer checkpoint."""

@@ -302,10 +302,20 @@ class DeepSpeedStrategy(Strategy):
     def export_model(
         self, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_size: str | int, is_main_process: bool
     ) -> None:
-        """Gathered under ZeRO-3 on every rank (a collective), checked complete, written by the main process."""
+        """Gathered under ZeRO-3 on every rank (a collective), checked complete, written by the main process.
+        A model with adapters (PEFT) writes its adapter only (only its tensors gathered)."""
+        if self.export_adapter(model, directory, is_main_process=is_main_process):
+            return
         state = self.consolidated_state_dict()
         if is_main_process:
             save_model(self.unwrap(model), directory, max_shard_size=max_shard_size, state_dict=state)
+
+    def gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A ZeRO-3 partitioned parameter gathered from every rank (a collective); a whole one as it is."""
+        if not hasattr(tensor, "ds_id"):
+            return super().gather_tensor(tensor)
+        with self.deepspeed_module().zero.GatheredParameters([tensor]):
+            return tensor.data.detach().to("cpu").clone()
 
     def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
         """The engine's checkpoint: model, optimizer and scheduler in one (every rank)."""

@@ -221,16 +221,26 @@ class FSDPStrategy(Strategy):
     def export_model(
         self, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_size: str | int, is_main_process: bool
     ) -> None:
-        """Gathered one tensor at a time and written by the main process: the model is never whole on one rank."""
+        """Gathered one tensor at a time and written by the main process: the model is never whole on one rank.
+        A model with adapters (PEFT) writes its adapter only (only its tensors gathered)."""
         unwrapped = self.unwrap(model)
         if not is_sharded(unwrapped):
             return super().export_model(
                 model, directory, max_shard_size=max_shard_size, is_main_process=is_main_process
             )
+        if self.export_adapter(unwrapped, directory, is_main_process=is_main_process):
+            logger.info("saved the adapter to %s", directory)
+            return None
         stats = sharded_checkpoint.export_consolidated(
             unwrapped, directory, max_shard_size=max_shard_size, is_main_process=is_main_process
         )
         logger.info("saved the consolidated model to %s (%d file(s))", directory, stats["files"])
+
+    def gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A DTensor gathered from every rank's shard (a collective); a plain tensor as it is."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.detach().to("cpu").contiguous()
 
     def save_checkpoint_model(self, model: Any, directory: str | os.PathLike) -> None:
         sharded_checkpoint.save_model(model, directory)
