@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import gc
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -156,6 +157,19 @@ def choose_device(topology: Topology, cpu: bool = False) -> torch.device:
     return torch.device("cpu")
 
 
+def destroy_process_group() -> None:
+    """Destroy the default group and let go of every group DeepSpeed still refers to (as its own destroy does).
+
+    A gloo group whose last reference outlives the destroy (DeepSpeed's module globals) is freed at interpreter
+    teardown, where its worker threads can abort the process (SIGABRT, "terminate called without an active exception").
+    """
+    dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")  # imported only where DeepSpeed ran
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
+
+
 class DistState:
     """The distributed state of this process: topology, device, backend and the process group.
 
@@ -216,7 +230,7 @@ class DistState:
     def _destroy_at_exit(self) -> None:
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
-            dist.destroy_process_group()
+            destroy_process_group()
         self.owns_process_group = False
 
     # -- who am I -----------------------------------------------------------------------------
@@ -300,7 +314,7 @@ class DistState:
             # and drop dead DDP reducers (which hold pending work) before the group goes
             gc.collect()
             self.wait_for_everyone()
-            dist.destroy_process_group()
+            destroy_process_group()
         self.owns_process_group = False
         self._host_group = None
 

@@ -26,7 +26,7 @@ from ...errors import ConfigError
 from ...saving import save_model
 from .. import deepspeed_config
 from ..deepspeed_config import DeepSpeedConfig, check_resolved
-from ..state import DistributedType, DistState
+from ..state import DistributedType, DistState, destroy_process_group
 from .base import Strategy
 
 INSTALL_HINT = "DeepSpeed is not installed: pip install 'trainer_ext[deepspeed]'"
@@ -462,7 +462,7 @@ def saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], se
 def _destroy_group() -> None:
     if torch.distributed.is_initialized():
         gc.collect()
-        torch.distributed.destroy_process_group()
+        destroy_process_group()
 
 
 def _close(a: float, b: float) -> bool:
