@@ -19,12 +19,11 @@ import transformers
 
 from .errors import ConfigError
 from .trainer import Trainer
+from .training_args import STOCK_TRAINING_ARGUMENTS as _STOCK_ARGUMENTS
 from .training_args import TrainingArguments
 
-# transformers' own classes, as our classes' bases: `trainer-ext launch --swap_trainer` rebinds the public names
+# transformers' own Trainer, as our Trainer's base: `trainer-ext launch --swap_trainer` rebinds the public name
 _STOCK_TRAINER: type = Trainer.__bases__[-1]
-_STOCK_ARGUMENTS: type = TrainingArguments.__bases__[0]
-assert _STOCK_TRAINER.__name__ == "Trainer" and _STOCK_ARGUMENTS.__name__ == "TrainingArguments"
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from .distributed.engine import Engine
 from .errors import ConfigError
 from .trainer_checkpoints import CheckpointingMixin
 from .trainer_sharded import ShardedCheckpointMixin
-from .training_args import TrainingArguments
+from .training_args import STOCK_TRAINING_ARGUMENTS, TrainingArguments
 
 logger = logging.get_logger(__name__)
 _compat.check_transformers_version()
@@ -79,8 +79,7 @@ class SteppedByEngine:
 def _foreign_arguments(args: Any) -> str:
     """What to do with arguments that are not ours: plain transformers ones, or another trainer's own class."""
     name = f"{type(args).__module__}.{type(args).__qualname__}"
-    stock = TrainingArguments.__bases__[0]  # transformers' own, even where --swap_trainer rebinds the public name
-    if type(args) is stock or not isinstance(args, stock):
+    if type(args) is STOCK_TRAINING_ARGUMENTS or not isinstance(args, STOCK_TRAINING_ARGUMENTS):
         return (
             f"trainer_ext.Trainer needs trainer_ext.TrainingArguments, got {name}; replace "
             "`from transformers import TrainingArguments` with `from trainer_ext import TrainingArguments`"

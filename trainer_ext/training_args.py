@@ -259,3 +259,7 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.n_gpu > 1:
             return ParallelMode.NOT_DISTRIBUTED
         return ParallelMode.NOT_PARALLEL
+
+
+# transformers' own class, as our base: `trainer-ext launch --swap_trainer` rebinds the public name to ours
+STOCK_TRAINING_ARGUMENTS: type = TrainingArguments.__bases__[0]
