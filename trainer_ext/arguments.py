@@ -275,6 +275,13 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         metadata=_help("Write the final model, config and tokenizer to --output_dir and check they reload."),
     )
     run_summary: bool = field(default=True, metadata=_help("Print what one optimizer step means at the start."))
+    exact_eval_loss: bool = field(
+        default=True,
+        metadata=_help(
+            "eval_loss as the exact mean over tokens (or samples) of the whole eval set, the same on any number of "
+            "processes and batch size; transformers' mean of batch means is logged as eval_batch_mean_loss."
+        ),
+    )
     save_on_preemption: bool = field(
         default=True,
         metadata=_help("On SIGTERM/SIGUSR1: save a checkpoint at the next step, exit with --preemption_exit_code."),

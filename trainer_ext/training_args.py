@@ -91,6 +91,17 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         },
     )
+    exact_eval_loss: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether `eval_loss` is the exact mean over the loss's own units (tokens whose label is not -100 "
+                "for a token loss, samples for a per-sample loss) summed over every batch and rank, so that it is "
+                "the same for any world size and batch size; transformers' mean of per-batch means is then logged "
+                "as `eval_batch_mean_loss`. On for `trainer_ext.train` and `trainer-ext train`."
+            )
+        },
+    )
     save_on_preemption: bool = field(
         default=False,
         metadata={

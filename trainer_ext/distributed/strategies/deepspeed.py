@@ -160,22 +160,24 @@ class DeepSpeedStrategy(Strategy):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Callable | None = None,
         lr_scheduler: Any = None,
+        config: dict | None = None,
     ) -> tuple[Any, Any, Any]:
         """``deepspeed.initialize`` on our process group; returns ``(engine, optimizer, scheduler)``.
 
         Without ``optimizer``/``lr_scheduler`` the config's ``optimizer``/``scheduler`` blocks are used;
         giving both an object and a block is refused (one would be ignored). ``lr_scheduler`` may be a
         callable taking the optimizer (for a scheduler on a config-built optimizer). The engine steps
-        the scheduler at each boundary: callers must not step it again.
+        the scheduler at each boundary: callers must not step it again. ``config`` replaces the strategy's own
+        for this engine (the evaluation engine of :meth:`wrap`).
         """
-        check_resolved(self.config)
+        config = dict(self.config if config is None else config)
+        check_resolved(config)
         for given, block in ((optimizer, "optimizer"), (lr_scheduler, "scheduler")):
-            if given is not None and block in self.config:
+            if given is not None and block in config:
                 raise ConfigError(
                     f"a {block} was passed and the DeepSpeed config has a '{block}' block too; remove the block "
                     f"to use the Trainer's {block}, or pass none to use the config's"
                 )
-        config = dict(self.config)
         if optimizer is not None and self.hf_config.stage > 0:
             # a torch optimizer is what our Trainer passes; DeepSpeed asks for an explicit opt-in
             config.setdefault("zero_allow_untested_optimizer", True)
@@ -209,10 +211,17 @@ class DeepSpeedStrategy(Strategy):
         return engine, ds_optimizer
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """An engine without optimizer (evaluation, ZeRO-3 inference); train through :meth:`initialize`."""
+        """An engine without optimizer (evaluation, ZeRO-3 inference); train through :meth:`initialize`.
+
+        As transformers' ``deepspeed_init(inference=True)``: the config's optimizer and scheduler blocks are left
+        out and the model-derived ``"auto"`` values filled from the model, on a copy (training still finalizes
+        the config itself), so evaluating before or without training works with the shipped presets.
+        """
         if is_engine(model):
             return model
-        return self.initialize(model)[0]
+        inference = {key: value for key, value in self.config.items() if key not in ("optimizer", "scheduler")}
+        inference = deepspeed_config.finalize(inference, hidden_size=deepspeed_config.model_hidden_size(model))
+        return self.initialize(model, config=inference)[0]
 
     def is_prepared(self, model: Any) -> bool:
         return is_engine(model)
