@@ -121,7 +121,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 def test_one_eval_loss_for_every_world_size_batch_size_and_dataset_kind(
     runs: dict[int, dict], references: dict, nproc: int
 ) -> None:
-    lm = {key: value for key, value in runs[nproc].items() if not key.startswith("classify")}
+    lm = {key: value for key, value in runs[nproc].items() if key.startswith(exact_eval_job.KINDS)}
     assert len(lm) == len(exact_eval_job.KINDS) * len(exact_eval_job.BATCH_SIZES) * 2
     for key, metrics in lm.items():
         assert metrics["eval_loss"] == pytest.approx(references["lm"], rel=TOL), key
@@ -165,3 +165,17 @@ def test_zero3_evaluation_without_training_is_exact_too(tmp_path: Path, referenc
     """Also: evaluating before any training under ZeRO-3 with the shipped preset (its 'auto' values)."""
     for key, metrics in _sharded(tmp_path, "zero3", 3).items():
         assert metrics["eval_loss"] == pytest.approx(references["lm"], rel=TOL), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_full_predictions_still_work_for_those_who_want_them(
+    runs: dict[int, dict], references: dict, nproc: int
+) -> None:
+    """eval_accumulation_steps and eval_do_concat_batches keep transformers' meaning next to the exact loss."""
+    found = runs[nproc]["predict"]
+    assert found["rows"] == SIZE
+    assert found["accumulated_equal"] and found["batches_equal"]
+    assert found["batches"] == -(-SIZE // (3 * nproc))  # one gathered array per round of the ranks
+    for key in ("loss", "accumulated_loss"):
+        assert found[key] == pytest.approx(references["lm"], rel=TOL)

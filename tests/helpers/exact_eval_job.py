@@ -92,6 +92,38 @@ def classify(out: Path, size: int, batch: int) -> dict:
     return trainer.evaluate()
 
 
+def full_predictions(out: Path, size: int) -> dict:
+    """``predict`` with every prediction kept three ways: at once, offloaded every 2 batches, not concatenated."""
+    found = {}
+    for name, flags in (
+        ("default", {}),
+        ("accumulated", {"eval_accumulation_steps": 2}),
+        ("batches", {"eval_do_concat_batches": False}),
+    ):
+        trainer = Trainer(
+            model=tiny_llama(2),
+            args=make_args(out / name, per_device_eval_batch_size=3, exact_eval_loss=True, **flags),
+            data_collator=pad_right,
+        )
+        found[name] = trainer.predict(ragged_lm_dataset(size, seed=7))
+    default = found["default"]
+    pieces = found["batches"].predictions
+    starts = np.cumsum([0] + [len(piece) for piece in pieces])
+    # not concatenated: one array per gathered batch, padded to that batch's own longest sequence
+    same_batches = starts[-1] == len(default.predictions) and all(
+        np.allclose(piece, default.predictions[start : start + len(piece), : piece.shape[1]])
+        for piece, start in zip(pieces, starts, strict=False)
+    )
+    return {
+        "rows": len(default.predictions),
+        "accumulated_equal": bool(np.array_equal(default.predictions, found["accumulated"].predictions)),
+        "accumulated_loss": found["accumulated"].metrics["test_loss"],
+        "batches": len(pieces),
+        "batches_equal": bool(same_batches),
+        "loss": default.metrics["test_loss"],
+    }
+
+
 STRATEGIES = {
     "none": {},
     "fsdp": {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
@@ -109,6 +141,7 @@ def main(out: str, size: str, strategy: str = "none") -> None:
                 key = f"{kind}-{batch}-{'streamed' if streamed else 'classic'}"
                 results[key] = evaluate(out_dir / key, int(size), batch, kind, streamed, **STRATEGIES[strategy])
     if strategy == "none":
+        results["predict"] = full_predictions(out_dir / "predict", int(size))
         for batch in BATCH_SIZES:
             results[f"classify-{batch}"] = classify(out_dir / f"classify-{batch}", int(size), batch)
     if int(os.environ.get("RANK", "0")) == 0:
