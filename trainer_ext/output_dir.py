@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
+from . import run_lock
 from .arguments import TrainJobArguments
 from .checkpointing.marker import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
@@ -139,11 +140,13 @@ def _difference(previous: dict[str, Any] | None, args: TrainJobArguments) -> str
 
 
 def start_run(args: TrainJobArguments, trainer: Any) -> None:
-    """On the main process: clear a replaced run (--overwrite_output_dir) and write this job's fingerprint."""
+    """On the main process: lock the folder for this process (:mod:`run_lock`), clear a replaced run
+    (--overwrite_output_dir) and write this job's fingerprint."""
     with args.main_process_first(local=False, desc="preparing output_dir"):
         if not trainer.is_world_process_zero():
             return
         out = Path(args.output_dir)
+        run_lock.acquire(out)  # before anything is deleted or written: another run may be writing here
         if args.overwrite_output_dir and out.is_dir():
             for checkpoint in sorted_checkpoints(out):
                 shutil.rmtree(checkpoint)
@@ -151,7 +154,6 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
                 (out / name).unlink(missing_ok=True)
             for name in RUN_FOLDERS:
                 shutil.rmtree(out / name, ignore_errors=True)
-        out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{RUN_FILE}.tmp"
         tmp.write_text(
             json.dumps({"trainer_ext_run": 1, "job": args.fingerprint()}, indent=2) + "\n", encoding="utf-8"

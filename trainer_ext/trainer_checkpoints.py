@@ -103,7 +103,9 @@ class CheckpointingMixin:
                     "(that one if any, else start fresh)"
                 )
             try:
-                found = together.verify_together(path, require_marker=False, part=self._verify_part())
+                found = together.verify_together(
+                    path, require_marker=False, part=self._verify_part(), kind=marker.TRAINER
+                )
             except marker.CheckpointError as error:
                 raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
             if not found:
@@ -179,6 +181,7 @@ class CheckpointingMixin:
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
         if self.args.should_save:
             marker.remove_marker(folder)  # an older save of the same step is no longer complete
+            marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
         _barrier(self)
         given = self.args.save_total_limit  # None inside train(), which keeps the limit in _rotation_limit
         limit = given if given is not None else self._rotation_limit
@@ -197,8 +200,10 @@ class CheckpointingMixin:
                 step=self.state.global_step,
                 strategy=self.accelerator.strategy.name,
                 crcs=crcs,
+                kind=marker.TRAINER,
                 **self._batch_facts(),
             )
+            marker.end_save(folder)
             removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
             for path in removed:
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)

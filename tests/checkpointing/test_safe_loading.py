@@ -19,7 +19,7 @@ from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, CheckpointError, newest_complete, verify, write_marker
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
-from trainer_ext.checkpointing.marker import check_deepspeed_file
+from trainer_ext.checkpointing.marker import check_deepspeed_file, seal
 from trainer_ext.checkpointing.safe_dcp import UnsafeCheckpointError, load_metadata
 from trainer_ext.errors import ConfigError
 
@@ -41,6 +41,7 @@ def _sharded_checkpoint(folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sharded_checkpoint.save_model(tiny_llama(0), folder)
+    (folder / "trainer_state.json").write_text("{}")  # a Trainer checkpoint holds its state too
     write_marker(folder, world_size=1, step=int(folder.name.split("-")[1]))
 
 
@@ -186,11 +187,11 @@ def test_a_marker_cannot_point_its_checksums_outside(tmp_path: Path, name: str) 
     write_marker(folder, world_size=1, step=2)
     body = json.loads((folder / COMPLETE).read_text())
     body["crc32"][name] = 0
-    (folder / COMPLETE).write_text(json.dumps(body))
-    with pytest.raises(CheckpointError, match=r"has a checksum for .* does not list it among its files"):
+    (folder / COMPLETE).write_text(json.dumps(seal(body)))  # re-sealed: a crafted marker, not a damaged one
+    with pytest.raises(CheckpointError, match=r"crc32 does not cover exactly the listed files"):
         verify(folder)
     body["files"][name] = 10
-    (folder / COMPLETE).write_text(json.dumps(body))
+    (folder / COMPLETE).write_text(json.dumps(seal(body)))
     with pytest.raises(CheckpointError, match=r"which is not a file inside the checkpoint"):
         verify(folder)
 

@@ -16,6 +16,7 @@ from tests.helpers.ranks import child_env
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, Preempted, newest_complete
+from trainer_ext.checkpointing.marker import seal
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,12 +113,12 @@ def test_another_model_or_world_size_is_refused(tmp_path: Path) -> None:
     body = json.loads((folder / COMPLETE).read_text())
     # 4 processes with 4x this run's global batch: the data position cannot carry over
     (folder / COMPLETE).write_text(
-        json.dumps({**body, "world_size": 4, "global_batch_size": 4 * body["global_batch_size"]})
+        json.dumps(seal({**body, "world_size": 4, "global_batch_size": 4 * body["global_batch_size"]}))
     )
     with pytest.raises(ConfigError, match="saved by 4 processes, this run has 1.*same global batch"):
         _trainer(tmp_path).resolve_resume(str(folder))
     # the same global batch over 4 processes (accumulation here makes up for them): it resumes
-    (folder / COMPLETE).write_text(json.dumps({**body, "world_size": 4}))
+    (folder / COMPLETE).write_text(json.dumps(seal({**body, "world_size": 4})))
     assert _trainer(tmp_path).resolve_resume(str(folder)) == str(folder)
 
 

@@ -29,9 +29,11 @@ from ..saving import tied_groups, unique_state_dict
 from . import sharded as sharded_checkpoint
 from .marker import (
     COMPLETE,
+    LOOP,
     CheckpointError,
     flush_tree,
     fsync_dir,
+    is_complete,
     read_marker,
     remove_marker,
     write_marker,
@@ -60,7 +62,7 @@ def _check_replaceable(final: Path) -> None:
     if not final.is_dir():
         raise ConfigError(f"{str(final)!r} is a file; save_state needs a folder: pick another output_dir")
     present = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != COMPLETE}
-    body = read_marker(final)
+    body = read_marker(final) if is_complete(final) else None  # a damaged marker commits nothing
     listed = set((body or {}).get("files") or ())
     others = sorted(present - listed)
     if others:
@@ -76,7 +78,7 @@ def _recover(final: Path) -> None:
     staging, replaced = _staging(final), _replaced(final)
     if not final.exists():
         for candidate in (staging, replaced):
-            if read_marker(candidate) is not None:
+            if is_complete(candidate):
                 os.replace(candidate, final)
                 fsync_dir(final.parent)
                 break
@@ -182,7 +184,7 @@ def save_state(
     def commit() -> None:
         crcs = own_checksums(out)  # collective: every rank checksums its own files
         if state.is_main_process:
-            write_marker(out, world_size=state.num_processes, crcs=crcs)
+            write_marker(out, world_size=state.num_processes, crcs=crcs, kind=LOOP)
             _swap_in(out, final)
 
     _together(state, "preparing", stage)
@@ -285,7 +287,7 @@ def load_state(
     src = _complete(Path(directory))
     try:
         # sizes, checksums, safe headers; the ranks of a node share the reading
-        verify_together(src, part=state.topology.node_share)
+        verify_together(src, part=state.topology.node_share, kind=LOOP)
     except CheckpointError as error:
         raise ConfigError(f"{str(src)!r} cannot be loaded: {error}; pick another checkpoint directory") from error
     saved_ranks = int((read_marker(src) or {}).get("world_size") or 0)

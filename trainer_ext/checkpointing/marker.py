@@ -22,6 +22,26 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 COMPLETE = "COMPLETE"
+MARKER_FORMAT = "trainer_ext_checkpoint"
+MARKER_CRC = "marker_crc32"
+_MARKER_MAX = 64 << 20  # bytes: a marker lists names, sizes and checksums, never data
+# what a checkpoint of each kind must hold to be complete (see ``check_contents``)
+TRAINER, LOOP = "trainer", "loop"
+KINDS = (TRAINER, LOOP)
+TRAINER_STATE = "trainer_state.json"
+# a Trainer checkpoint's weights: transformers' files (whole, sharded, adapter) or a strategy's own format
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model_sharded/.metadata",  # FSDP2 sharded state (checkpointing.sharded)
+    "latest",  # DeepSpeed's own checkpoint: its tag folder beside it
+)
+LOOP_STATE = "random_states_0.pkl"
+SAVING = ".trainer_ext_saving"  # in a checkpoint folder while its save runs: a folder with it and no marker died  # an Accelerator state: process 0's random states are always written
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
 _NOT_LOADED = {"training_args.bin"}
@@ -109,7 +129,7 @@ def _files(directory: Path) -> dict[str, int]:
     return {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name not in (COMPLETE, f".{COMPLETE}.tmp")
+        if p.is_file() and p.name not in (COMPLETE, f".{COMPLETE}.tmp", SAVING)
     }
 
 
@@ -146,33 +166,62 @@ def write_marker(
     world_size: int,
     step: int | None = None,
     crcs: dict[str, int] | None = None,
+    kind: str | None = None,
     **facts: Any,
 ) -> Path:
     """Commit ``directory``: write ``COMPLETE`` through a temporary file, fsynced.
 
     It records each file's size and CRC-32 (``crcs`` as computed by the ranks that wrote them; the rest read
-    here), the world size and ``facts``.
+    here), the world size, the checkpoint's ``kind`` (what it must contain: :data:`KINDS`), ``facts``, and a
+    CRC-32 of all that, so that a damaged marker is told from a valid one.
     """
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"unknown checkpoint kind {kind!r}: one of {', '.join(KINDS)}")
     out = Path(directory)
     files = _files(out)
     known = {name: value for name, value in (crcs or {}).items() if name in files}
     known.update(checksums(out, (name for name in files if name not in known)))
     body = {
-        "trainer_ext_checkpoint": 1,
+        MARKER_FORMAT: 1,
         "world_size": world_size,
         "step": step,
+        **({"kind": kind} if kind else {}),
         **facts,
         "files": files,
         "crc32": {name: known[name] for name in files},
     }
     tmp = out / f".{COMPLETE}.tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(body, handle, indent=1)
+        json.dump(seal(body), handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, out / COMPLETE)
     fsync_dir(out)
     return out / COMPLETE
+
+
+def _body_crc(body: dict[str, Any]) -> int:
+    """CRC-32 of a marker's contents without its own checksum, in one canonical spelling."""
+    rest = {key: value for key, value in body.items() if key != MARKER_CRC}
+    return zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def seal(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with its own checksum (``marker_crc32``) set: what :func:`read_marker` accepts."""
+    return {**{key: value for key, value in body.items() if key != MARKER_CRC}, MARKER_CRC: _body_crc(body)}
+
+
+def begin_save(directory: str | os.PathLike) -> None:
+    """Tag ``directory`` as a save in progress (created if needed) before anything is written into it."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SAVING).touch()
+    fsync_dir(out)
+
+
+def end_save(directory: str | os.PathLike) -> None:
+    """Drop the in-progress tag once the marker is written."""
+    (Path(directory) / SAVING).unlink(missing_ok=True)
 
 
 def remove_marker(directory: str | os.PathLike) -> None:
@@ -184,16 +233,74 @@ def remove_marker(directory: str | os.PathLike) -> None:
 
 
 def read_marker(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The marker's contents, ``{}`` for an old plain-text marker, or None when there is none."""
+    """The marker's contents, validated (:func:`check_marker`), or None when there is none.
+
+    CheckpointError when it is there but damaged: a checkpoint whose marker fails is not complete.
+    """
     path = Path(directory) / COMPLETE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
-    text = path.read_text(encoding="utf-8").strip()
+    if path.is_symlink() or not path.is_file():
+        raise CheckpointError(f"{COMPLETE} is not a plain file: corrupted or crafted")
+    if path.stat().st_size > _MARKER_MAX:
+        raise CheckpointError(f"{COMPLETE} has {path.stat().st_size} bytes, more than a marker holds: corrupted")
     try:
-        data = json.loads(text)
-    except ValueError:
-        return {"world_size": int(text)} if text.isdigit() else {}
-    return data if isinstance(data, dict) else {}
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{COMPLETE} is damaged (not valid JSON: {error})") from error
+    return check_marker(data)
+
+
+def has_marker(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` has a ``COMPLETE`` file at all (valid or not): it was saved by trainer_ext."""
+    path = Path(directory) / COMPLETE
+    return path.exists() or path.is_symlink()
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` has a valid marker (its files are not checked: see :func:`verify`)."""
+    try:
+        return read_marker(directory) is not None
+    except CheckpointError:
+        return False
+
+
+def _is_count(value: Any, low: int = 0, high: int | None = None) -> bool:
+    return type(value) is int and value >= low and (high is None or value < high)
+
+
+def check_marker(data: Any) -> dict[str, Any]:
+    """``data`` when it is a whole marker: its format, world size, file table and checksums, and its own CRC-32.
+
+    CheckpointError naming the first thing wrong otherwise (a truncated, emptied, retyped or edited marker).
+    """
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{COMPLETE} is damaged (a {type(data).__name__}, not a marker)")
+    problems = []
+    if data.get(MARKER_FORMAT) != 1:
+        problems.append(f"no {MARKER_FORMAT}: 1")
+    if not _is_count(data.get("world_size"), 1):
+        problems.append("world_size is not a positive integer")
+    if data.get("step") is not None and not _is_count(data["step"]):
+        problems.append("step is not a non-negative integer")
+    if data.get("kind") is not None and data["kind"] not in KINDS:
+        problems.append(f"kind {data['kind']!r} is unknown")
+    files, crcs = data.get("files"), data.get("crc32")
+    if not isinstance(files, dict) or not files:
+        problems.append("files is not a table of the checkpoint's files")
+    elif not all(isinstance(name, str) and _is_count(size) for name, size in files.items()):
+        problems.append("files has an entry that is not a name and a size in bytes")
+    if not isinstance(crcs, dict) or not all(_is_count(value, 0, 1 << 32) for value in crcs.values()):
+        problems.append("crc32 is not a table of checksums")
+    elif isinstance(files, dict) and set(crcs) != set(files):
+        problems.append("crc32 does not cover exactly the listed files")
+    if not _is_count(data.get(MARKER_CRC), 0, 1 << 32):
+        problems.append(f"no {MARKER_CRC}")
+    elif not problems and data[MARKER_CRC] != _body_crc(data):
+        problems.append(f"its contents do not match its own checksum ({MARKER_CRC})")
+    if problems:
+        raise CheckpointError(f"{COMPLETE} is damaged or not trainer_ext's: " + "; ".join(problems))
+    return data
 
 
 # safetensors' words for what is wrong with a file it cannot open, and how we say it
@@ -351,19 +458,50 @@ def _inside(src: Path, name: Any) -> Path:
     return path
 
 
+def check_contents(directory: str | os.PathLike, kind: str | None) -> None:
+    """CheckpointError unless ``directory`` holds what a checkpoint of ``kind`` needs to be resumed from.
+
+    ``trainer``: ``trainer_state.json`` and the model's weights in one of :data:`WEIGHTS`; ``loop``: process 0's
+    random states (written by every ``save_state``). A marker alone, or a folder missing its weights, is not a
+    checkpoint, whatever its marker says.
+    """
+    src = Path(directory)
+    if kind == TRAINER:
+        missing = [] if (src / TRAINER_STATE).is_file() else [TRAINER_STATE]
+        if not any((src / name).is_file() for name in WEIGHTS):
+            missing.append("the model's weights (" + ", ".join(WEIGHTS[:3]) + " ...)")
+    elif kind == LOOP:
+        missing = [] if (src / LOOP_STATE).is_file() else [LOOP_STATE]
+    else:
+        return
+    if missing:
+        raise CheckpointError(f"holds no {' and no '.join(missing)}: not a whole {kind} checkpoint")
+
+
 def verify(
-    directory: str | os.PathLike, *, require_marker: bool = True, part: tuple[int, int] = (0, 1)
+    directory: str | os.PathLike,
+    *,
+    require_marker: bool = True,
+    part: tuple[int, int] = (0, 1),
+    kind: str | None = None,
 ) -> dict[str, Any]:
-    """Check a checkpoint: marker present, file sizes and checksums as committed, every file it loads readable safely.
+    """Check a checkpoint: marker present and whole, file sizes and checksums as committed, the contents its kind
+    needs (``kind``, else the marker's), every file it loads readable safely.
 
     ``part=(i, n)``: checksum only every n-th committed file from the i-th, so n processes share the reading.
     """
     src = Path(directory)
+    if src.is_symlink():
+        raise CheckpointError(
+            f"{src.name} is itself a symbolic link: a checkpoint is a plain folder (a link lets the loader read "
+            "files from anywhere, and rotation would delete what it points to); copy the folder instead"
+        )
     marker = read_marker(src)
     if marker is None:
         if require_marker:
             raise CheckpointError(f"no {COMPLETE} marker (missing, or interrupted while saving)")
         marker = {}
+    check_contents(src, kind or marker.get("kind"))
     for path in src.rglob("*"):  # rglob does not enter linked folders: their files would go unchecked
         if path.is_symlink():
             raise CheckpointError(
@@ -371,19 +509,12 @@ def verify(
                 "link lets the loader read files nobody checked); replace it with what it points to"
             )
     files, crcs = marker.get("files") or {}, marker.get("crc32") or {}
-    if not isinstance(files, dict) or not isinstance(crcs, dict):
-        raise CheckpointError(f"{COMPLETE} is malformed (its files or crc32 table is not a mapping)")
     for name, size in files.items():
         path = _inside(src, name)
         if not path.is_file():
             raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
         if path.stat().st_size != size:
             raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
-    for name in crcs:
-        if name not in files:
-            raise CheckpointError(
-                f"{COMPLETE} has a checksum for {name!r} but does not list it among its files: corrupted or crafted"
-            )
     index, count = part
     for name, expected in sorted(crcs.items())[index::count]:
         if crc32(src / name) != expected:
@@ -419,12 +550,12 @@ def sorted_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def newest_complete(directory: str | os.PathLike) -> tuple[Path | None, list[str]]:
+def newest_complete(directory: str | os.PathLike, kind: str | None = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, and one line per newer checkpoint skipped and why."""
     skipped: list[str] = []
     for path in reversed(sorted_checkpoints(directory)):
         try:
-            verify(path)
+            verify(path, kind=kind)
         except CheckpointError as error:
             skipped.append(f"{path.name}: {error}")
             continue
@@ -443,21 +574,23 @@ def rotate(directory: str | os.PathLike, limit: int | None, *, best: str | os.Pa
     """
     if limit is None or limit <= 0:
         return []
-    found = sorted_checkpoints(directory)
-    complete = [p for p in found if read_marker(p) is not None]
+    found = [p for p in sorted_checkpoints(directory) if not p.is_symlink()]  # never delete through a link
+    complete = [p for p in found if is_complete(p)]
     if not complete:
         return []
     newest = complete[-1]
     protected = {newest.resolve()} | ({Path(best).resolve()} if best else set())
-    # Without a marker: a save that died early (no trainer_state.json yet) is removed; a folder with one may
-    # be a finished checkpoint written without trainer_ext (plain transformers): never ours to delete.
+    # Not complete and older than the newest complete checkpoint: a save of ours that died (it carries the
+    # in-progress tag, or a marker that is damaged) is removed, and so is a folder that never got as far as
+    # trainer_state.json; a finished checkpoint written without trainer_ext (plain transformers) is never ours
+    # to delete.
     doomed = [
         p
         for p in found
         if p not in complete
         and _step(p) < _step(newest)
         and p.resolve() not in protected
-        and not (p / "trainer_state.json").exists()
+        and (has_marker(p) or (p / SAVING).exists() or not (p / TRAINER_STATE).exists())
     ]
     remaining = len(complete)
     for path in complete:

@@ -13,9 +13,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .marker import CheckpointError, checksums, read_marker, sorted_checkpoints, verify, writer_rank
-
-TRAINER_STATE = "trainer_state.json"
+from .marker import (
+    TRAINER,
+    TRAINER_STATE,
+    CheckpointError,
+    checksums,
+    has_marker,
+    sorted_checkpoints,
+    verify,
+    writer_rank,
+)
 
 
 def _world() -> tuple[int, int]:
@@ -47,14 +54,18 @@ def own_checksums(folder: str | os.PathLike) -> dict[str, int]:
 
 
 def verify_together(
-    directory: str | os.PathLike, *, require_marker: bool = True, part: tuple[int, int] = (0, 1)
+    directory: str | os.PathLike,
+    *,
+    require_marker: bool = True,
+    part: tuple[int, int] = (0, 1),
+    kind: str | None = None,
 ) -> dict[str, Any]:
     """``marker.verify`` with the checksums split by ``part`` (this rank's index among its node's); all agree.
 
     CheckpointError on every rank when any rank found a problem.
     """
     try:
-        found, problem = verify(directory, require_marker=require_marker, part=part), None
+        found, problem = verify(directory, require_marker=require_marker, part=part, kind=kind), None
     except CheckpointError as error:
         found, problem = {}, str(error)
     except Exception as error:  # unreadable, or malformed beyond what the checks foresee: no rank may wait alone
@@ -76,7 +87,7 @@ def newest_complete_together(
     """
     found = sorted_checkpoints(directory)
     candidates = [p.name for p in reversed(found)]
-    foreign = bool(found) and all(read_marker(p) is None for p in found)
+    foreign = bool(found) and not any(has_marker(p) for p in found)
     rank, world = _world()
     if world > 1:  # rank 0's listing: every rank must walk the same candidates
         box = [(candidates, foreign)]
@@ -88,7 +99,7 @@ def newest_complete_together(
         try:
             if foreign and not (path / TRAINER_STATE).is_file():
                 raise CheckpointError(f"no {TRAINER_STATE} (not a finished checkpoint)")
-            verify_together(path, require_marker=not foreign, part=part)
+            verify_together(path, require_marker=not foreign, part=part, kind=TRAINER)
         except CheckpointError as error:
             skipped.append(f"{name}: {error}")
             continue
