@@ -1,0 +1,9 @@
+"""Run reports: figures and a self-contained HTML page from run folders (``trainer-ext report``).
+
+matplotlib is imported only when figures are drawn (``pip install 'trainer_ext[report]'``).
+"""
+
+from .build import write_report
+from .run import RunData, load_run, load_runs
+
+__all__ = ["RunData", "load_run", "load_runs", "write_report"]

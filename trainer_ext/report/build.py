@@ -1,0 +1,80 @@
+"""``write_report``: run folders in, PNG figures and one self-contained ``report.html`` out."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..errors import ConfigError
+from .run import load_runs
+
+logger = logging.getLogger(__name__)
+
+PAGE = "report.html"
+INSTALL = "pip install 'trainer_ext[report]'"
+COMPARE_DIR = "trainer_ext_report"
+DEFAULT_SMOOTHING = 0.6
+
+
+def matplotlib_missing() -> str | None:
+    """None when matplotlib imports, else the one-line message saying how to install it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)  # headless; a caller's interactive backend is left alone
+    except ImportError:
+        return f"the report's figures need matplotlib, which is not installed: {INSTALL}"
+    return None
+
+
+def default_out(run_dirs: list[str | os.PathLike]) -> Path:
+    """One run: RUN/report; several: ./trainer_ext_report."""
+    return Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else Path(COMPARE_DIR)
+
+
+def write_report(
+    run_dirs: list[str | os.PathLike],
+    out_dir: str | os.PathLike | None = None,
+    *,
+    allow_running: bool = False,
+    smoothing: float = DEFAULT_SMOOTHING,
+    require_figures: bool = True,
+) -> Path:
+    """Write the figures and ``report.html`` for ``run_dirs`` into ``out_dir``; return the page's path.
+
+    ConfigError on bad input (not a run, an empty log, a run still training unless ``allow_running``) and, with
+    ``require_figures``, when matplotlib is missing; without it the page then holds the tables only.
+    """
+    if not run_dirs:
+        raise ConfigError("no run folder given")
+    if not 0 <= smoothing < 1:
+        raise ConfigError(f"--smoothing must be in [0, 1), got {smoothing}")
+    missing = matplotlib_missing()
+    if missing and require_figures:
+        raise ConfigError(missing)
+    runs = load_runs(list(run_dirs), allow_running=allow_running)
+    out = Path(out_dir) if out_dir is not None else default_out(list(run_dirs))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; pass a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from error
+    figures = []
+    if not missing:
+        from .figures import FIGURE_NAMES, draw_all
+
+        figures = draw_all(runs, out, smoothing)
+        for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
+            (out / f"{stale}.png").unlink(missing_ok=True)
+    from .page import render
+
+    note = f"No figures: {missing}." if missing else None
+    if any(run.status == "running" for run in runs):
+        note = ((note + " ") if note else "") + "The run is still training: this is a partial report."
+    page = out / PAGE
+    tmp = out / f".{PAGE}.tmp"
+    tmp.write_text(render(runs, figures, note), encoding="utf-8")
+    os.replace(tmp, page)  # a reader never sees half a page
+    return page

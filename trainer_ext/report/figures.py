@@ -1,0 +1,369 @@
+"""The report's figures, drawn with matplotlib's Agg canvas (no display, no pyplot state): one function per figure.
+
+Each takes the runs (several overlay, one colour each) and returns a :class:`Figure` to save, or None when no run
+logged what it shows. Checkpoints (dotted), resumes (dashed, labelled) and skipped steps (ticks at the bottom) are
+marked on every step axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .run import RunData
+
+DPI = 100
+WIDE = (9.0, 4.2)
+FIGURE_NAMES = (
+    "loss_vs_step",
+    "loss_vs_tokens",
+    "learning_rate",
+    "grad_norm",
+    "throughput",
+    "eval_metrics",
+    "skipped_steps",
+    "timeline",
+)
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+@dataclass
+class Figure:
+    name: str  # file stem
+    title: str
+    caption: str
+    path: Path | None = None
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average (``weight`` 0: raw; 0.99: very smooth)."""
+    out, last, norm = [], 0.0, 0.0
+    for value in values:
+        last = last * weight + (1 - weight) * value
+        norm = norm * weight + (1 - weight)
+        out.append(last / norm if norm else value)
+    return out
+
+
+def _new(rows: int = 1, height: float | None = None) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure as MplFigure
+
+    fig = MplFigure(figsize=(WIDE[0], height or WIDE[1] * (1 if rows == 1 else 0.62 * rows)), dpi=DPI)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, axes
+
+
+def _save(fig: Any, out: Path, figure: Figure) -> Figure:
+    fig.tight_layout()
+    figure.path = out / f"{figure.name}.png"
+    fig.savefig(figure.path, format="png", dpi=DPI)
+    return figure
+
+
+def colour(index: int) -> str:
+    return COLOURS[index % len(COLOURS)]
+
+
+def mark_events(ax: Any, run: RunData, col: str, x_of: Callable[[list[int]], list[float] | None], label: bool) -> None:
+    """Checkpoints, resumes and skipped steps of ``run`` on a step (or tokens) axis."""
+    from matplotlib.transforms import blended_transform_factory
+
+    bottom = blended_transform_factory(ax.transData, ax.transAxes)
+    saved = [c.step for c in run.checkpoints]
+    for i, x in enumerate(x_of(saved) or []):
+        ax.axvline(
+            x, color=col, linestyle=":", linewidth=0.9, alpha=0.55, label="checkpoint" if label and i == 0 else None
+        )
+    for i, resume in enumerate(run.resumes):
+        xs = x_of([resume.step]) or []
+        for x in xs:
+            ax.axvline(x, color=col, linestyle="--", linewidth=1.8, label="resume" if label and i == 0 else None)
+            ax.text(
+                x, 0.98, f" resumed at {resume.step}", transform=bottom, color=col, fontsize=8, va="top", rotation=90
+            )
+    for key, marker, name in (
+        ("skipped_optimizer_steps", "x", "fp16 skipped step"),
+        ("nan_guard_skipped_steps", "v", "NaN-guard skip"),
+    ):
+        events = run.skip_events(key)
+        xs = x_of([s for s, _ in events]) or []
+        if xs:
+            ax.scatter(
+                xs,
+                [0.02] * len(xs),
+                transform=bottom,
+                marker=marker,
+                color=col,
+                s=30,
+                zorder=5,
+                label=name if label else None,
+            )
+
+
+def _steps(steps: list[int]) -> list[float]:
+    return [float(s) for s in steps]
+
+
+def _legend(ax: Any) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        unique = dict(zip(labels, handles, strict=False))
+        ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+
+
+def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: bool = False) -> Figure | None:
+    axis = (lambda run: run.tokens_at) if by_tokens else (lambda run: _steps)
+    if by_tokens and not any(r.token_key for r in runs):
+        return None
+    if not any(r.series("loss")[0] or r.eval_series("eval_loss")[0] for r in runs):
+        return None
+    fig, (ax,) = _new()
+    for i, run in enumerate(runs):
+        col, x_of, prefix = colour(i), axis(run), f"{run.label}: " if len(runs) > 1 else ""
+        if x_of is None or (by_tokens and run.token_key is None):
+            continue
+        steps, losses = run.series("loss")
+        if losses:
+            xs = x_of(steps)
+            ax.plot(xs, losses, color=col, alpha=0.3, linewidth=1, label=f"{prefix}train loss (raw)")
+            ax.plot(
+                xs,
+                smooth(losses, smoothing),
+                color=col,
+                linewidth=2,
+                label=f"{prefix}train loss (smoothed {smoothing:g})",
+            )
+        steps, losses = run.eval_series("eval_loss")
+        if losses:
+            ax.plot(
+                x_of(steps), losses, color=col, linestyle="--", marker="o", markersize=4, label=f"{prefix}eval loss"
+            )
+        mark_events(ax, run, col, x_of, label=i == 0)
+    ax.set_xlabel("tokens seen" if by_tokens else "optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss vs tokens seen" if by_tokens else "Loss vs step")
+    _legend(ax)
+    name, title = ("loss_vs_tokens", "Loss vs tokens seen") if by_tokens else ("loss_vs_step", "Loss vs step")
+    caption = (
+        "Training loss as logged (faint) and smoothed (solid), evaluation loss (dashed, dots); dotted lines are "
+        "checkpoints, dashed lines resumes, ticks at the bottom skipped optimizer steps."
+    )
+    if by_tokens:
+        caption += " Tokens are the positions the model processed, padding included."
+    return _save(fig, out, Figure(name, title, caption))
+
+
+def line_figure(
+    runs: list[RunData], out: Path, key: str, name: str, title: str, ylabel: str, caption: str, log: bool = False
+) -> Figure | None:
+    if not any(r.series(key)[0] for r in runs):
+        return None
+    fig, (ax,) = _new()
+    for i, run in enumerate(runs):
+        steps, values = run.series(key)
+        if values:
+            ax.plot(
+                steps,
+                values,
+                color=colour(i),
+                linewidth=1.6,
+                marker="." if len(steps) < 60 else None,
+                label=run.label if len(runs) > 1 else None,
+            )
+        mark_events(ax, run, colour(i), _steps, label=i == 0)
+    values = [v for r in runs for v in r.series(key)[1]]
+    if log and values and min(values) > 0 and max(values) / min(values) > 50:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _legend(ax)
+    return _save(fig, out, Figure(name, title, caption))
+
+
+def throughput_figure(runs: list[RunData], out: Path) -> Figure | None:
+    keys = [k for k in ("samples_per_second", "tokens_per_second", "mfu") if any(r.series(k)[0] for r in runs)]
+    if not keys:
+        return None
+    fig, axes = _new(len(keys))
+    labels = {"samples_per_second": "samples / s", "tokens_per_second": "tokens / s", "mfu": "MFU"}
+    for ax, key in zip(axes, keys, strict=False):
+        for i, run in enumerate(runs):
+            steps, values = run.series(key)
+            if values:
+                ax.plot(steps, values, color=colour(i), linewidth=1.4, label=run.label if len(runs) > 1 else None)
+            mark_events(ax, run, colour(i), _steps, label=False)
+        ax.set_ylabel(labels[key])
+        ax.set_ylim(bottom=0)
+    axes[0].set_title("Throughput (training time only, over all processes)")
+    axes[-1].set_xlabel("optimizer step")
+    _legend(axes[0])
+    caption = (
+        "Samples and tokens per second of training time in each logging window (evaluation and saving excluded), "
+        "summed over processes; MFU where the device's peak is known (none on CPU)."
+    )
+    return _save(fig, out, Figure("throughput", "Throughput", caption))
+
+
+def eval_metrics_figure(runs: list[RunData], out: Path) -> Figure | None:
+    names = list(dict.fromkeys(n for r in runs for n in r.eval_metric_names() if n != "eval_loss"))
+    names = [n for n in names if any(len(r.eval_series(n)[0]) for r in runs)]
+    if not names:
+        return None
+    fig, axes = _new(len(names), height=min(2.4 * len(names) + 0.8, 14))
+    for ax, name in zip(axes, names, strict=False):
+        for i, run in enumerate(runs):
+            steps, values = run.eval_series(name)
+            if values:
+                ax.plot(
+                    steps,
+                    values,
+                    color=colour(i),
+                    marker="o",
+                    markersize=4,
+                    linewidth=1.4,
+                    label=run.label if len(runs) > 1 else None,
+                )
+        ax.set_ylabel(name.removeprefix("eval_"), fontsize=9)
+    axes[0].set_title("Evaluation metrics")
+    axes[-1].set_xlabel("optimizer step")
+    _legend(axes[0])
+    return _save(fig, out, Figure("eval_metrics", "Evaluation metrics", "Every eval_* value the run logged, by step."))
+
+
+def stability_figure(runs: list[RunData], out: Path) -> Figure:
+    fig, (ax,) = _new()
+    any_event = False
+    for i, run in enumerate(runs):
+        for key, style, name in (
+            ("skipped_optimizer_steps", "-", "fp16 loss-scaler skips"),
+            ("nan_guard_skipped_steps", ":", "NaN-guard skips"),
+        ):
+            events = run.skip_events(key)
+            if not events and not run.series(key)[0]:
+                continue
+            steps, total = [0], [0]
+            for step, count in events:
+                steps += [step, step]
+                total += [total[-1], total[-1] + count]
+            steps.append(max(run.global_step, steps[-1]))
+            total.append(total[-1])
+            any_event = any_event or bool(events)
+            prefix = f"{run.label}: " if len(runs) > 1 else ""
+            ax.plot(steps, total, color=colour(i), linestyle=style, linewidth=1.8, label=f"{prefix}{name}")
+        mark_events(ax, run, colour(i), _steps, label=i == 0)
+    if not any_event:
+        ax.text(0.5, 0.5, "no skipped steps recorded", transform=ax.transAxes, ha="center", va="center", color="#555")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("steps skipped (cumulative)")
+    ax.set_title("Skipped optimizer steps: fp16 overflow and NaN guard")
+    _legend(ax)
+    caption = (
+        "Cumulative optimizer steps the fp16 loss scaler skipped (gradient overflow) and steps NaNGuardCallback "
+        "dropped (non-finite loss or gradient)."
+    )
+    return _save(fig, out, Figure("skipped_steps", "Skipped steps and NaN-guard events", caption))
+
+
+def timeline_figure(runs: list[RunData], out: Path) -> Figure | None:
+    """Step against wall-clock time, one line per session: gaps are downtime, dashed lines resumes."""
+    if not any(r.segments for r in runs):
+        return None
+    span = max(s.last_time - r.segments[0].start_time for r in runs if r.segments for s in r.segments)
+    unit, scale = ("seconds", 1) if span < 180 else ("minutes", 60) if span < 3 * 3600 else ("hours", 3600)
+    fig, (ax,) = _new()
+    for i, run in enumerate(runs):
+        if not run.segments:
+            continue
+        origin, col = run.segments[0].start_time, colour(i)
+        bounds = [(s.start_time, s.last_time + 1e-6) for s in run.segments]
+        points: list[list[tuple[float, int]]] = [[(s.start_time, s.start_step)] for s in run.segments]
+        for event in run.events:
+            if event["event"] in ("log", "save", "end") and isinstance(event.get("step"), int):
+                for k, (lo, hi) in enumerate(bounds):
+                    if lo <= event["time"] <= hi:
+                        points[k].append((event["time"], event["step"]))
+                        break
+                if event["event"] == "save":
+                    ax.plot(
+                        [(event["time"] - origin) / scale],
+                        [event["step"]],
+                        marker="s",
+                        color=col,
+                        markersize=5,
+                        linestyle="none",
+                        label="checkpoint" if i == 0 else None,
+                    )
+        for k, (segment, pts) in enumerate(zip(run.segments, points, strict=False)):
+            xs = [(t - origin) / scale for t, _ in pts]
+            ax.plot(
+                xs,
+                [s for _, s in pts],
+                color=col,
+                linewidth=1.8,
+                label=(f"{run.label}" if len(runs) > 1 and k == 0 else None),
+            )
+            if segment.resumed:
+                ax.axvline(
+                    xs[0], color=col, linestyle="--", linewidth=1.5, label="resume" if i == 0 and k == 1 else None
+                )
+            if segment.status in ("interrupted", "stopped", "running"):
+                ax.plot(
+                    [xs[-1]],
+                    [pts[-1][1]],
+                    marker="X",
+                    color=col,
+                    markersize=9,
+                    linestyle="none",
+                    label=f"{segment.status}" if i == 0 else None,
+                )
+    ax.set_xlabel(f"wall-clock {unit} since the first start")
+    ax.set_ylabel("optimizer step")
+    ax.set_title("Progress over time: sessions, checkpoints, resumes")
+    _legend(ax)
+    caption = (
+        "Each training session (process start to end or interruption) is a line; squares are checkpoints, "
+        "crosses interruptions, dashed lines resumes. Steps trained again after a resume show as a drop."
+    )
+    return _save(fig, out, Figure("timeline", "Progress over wall-clock time", caption))
+
+
+def draw_all(runs: list[RunData], out: Path, smoothing: float) -> list[Figure]:
+    """Every figure that has data, in page order."""
+    import matplotlib
+
+    matplotlib.rcParams["savefig.facecolor"] = "white"
+    figures = [
+        loss_figure(runs, out, smoothing),
+        loss_figure(runs, out, smoothing, by_tokens=True),
+        line_figure(
+            runs,
+            out,
+            "learning_rate",
+            "learning_rate",
+            "Learning rate",
+            "learning rate",
+            "The learning rate at each logged step (the schedule counts optimizer steps).",
+        ),
+        line_figure(
+            runs,
+            out,
+            "grad_norm",
+            "grad_norm",
+            "Gradient norm",
+            "gradient norm",
+            "The total gradient norm before clipping (log scale when it spans more than 50×).",
+            log=True,
+        ),
+        throughput_figure(runs, out),
+        eval_metrics_figure(runs, out),
+        stability_figure(runs, out),
+        timeline_figure(runs, out),
+    ]
+    return [f for f in figures if f is not None]

@@ -1,0 +1,347 @@
+"""Read a run folder into :class:`RunData`: the log history, checkpoints, resumes and what the job was.
+
+A run folder is an ``output_dir`` of ``transformers.Trainer`` (``trainer_state.json``, ``checkpoint-N/``), plus, for
+jobs run by ``trainer-ext train``, ``trainer_ext_run.json`` (the job) and ``trainer_ext_events.jsonl`` (starts, resumes,
+checkpoints, end). The history is read from whichever of ``trainer_state.json`` and the newest checkpoint's is further
+along, so a run that died between checkpoints still reports up to its last save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .events import EVENTS_FILE, process_alive, read_events, seconds_since
+
+STATE_FILE = "trainer_state.json"
+JOB_FILE = "trainer_ext_run.json"
+MARKER = "COMPLETE"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# another host's run counts as still training while its last event is younger than this
+QUIET_SECONDS = 15 * 60
+TOKEN_KEYS = ("num_input_tokens_seen", "tokens_seen")
+# eval_* values that describe speed, not the model
+EVAL_SPEED = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_samples")
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path | None  # None: saved, then rotated away (known from the events only)
+    complete: bool
+    marker: dict[str, Any] = field(default_factory=dict)
+    time: float | None = None
+
+
+@dataclass
+class Segment:
+    """One process's stretch of training: from a start (fresh or resumed) to its end or its last sign of life."""
+
+    start_step: int
+    start_time: float
+    resumed: bool
+    last_step: int
+    last_time: float
+    status: str  # finished | stopped | interrupted | running
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.last_time - self.start_time, 0.0)
+
+
+@dataclass
+class Resume:
+    step: int  # the checkpoint step training went on from
+    time: float
+    after: str  # what the previous segment did: interrupted | finished | stopped
+    redone_steps: int  # steps the previous segment had logged past the checkpoint, trained again
+
+
+@dataclass
+class RunData:
+    path: Path
+    label: str
+    state: dict[str, Any]
+    state_file: Path
+    job: dict[str, Any] | None
+    events: list[dict[str, Any]]
+    results: dict[str, Any]
+    checkpoints: list[Checkpoint]
+    segments: list[Segment]
+    status: str  # finished | stopped | interrupted | running | unknown
+
+    # -- the series ---------------------------------------------------------------------------------------
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.state.get("log_history") or []
+
+    @property
+    def train_logs(self) -> list[dict[str, Any]]:
+        """Training log lines (those with ``loss``), one per step, in step order."""
+        return _by_step(e for e in self.history if "loss" in e and "step" in e)
+
+    @property
+    def eval_logs(self) -> list[dict[str, Any]]:
+        """Evaluation results, the last one per step (train() evaluates again after the final step)."""
+        return _by_step(e for e in self.history if "step" in e and any(k.startswith("eval_") for k in e))
+
+    def series(self, key: str, logs: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` where it is logged and finite."""
+        logs = self.train_logs if logs is None else logs
+        points = [(e["step"], float(e[key])) for e in logs if _finite(e.get(key))]
+        return [s for s, _ in points], [v for _, v in points]
+
+    def eval_series(self, key: str) -> tuple[list[int], list[float]]:
+        return self.series(key, self.eval_logs)
+
+    def eval_metric_names(self) -> list[str]:
+        names: dict[str, None] = {}
+        for entry in self.eval_logs:
+            for key, value in entry.items():
+                if key.startswith("eval_") and key not in EVAL_SPEED and _finite(value):
+                    names[key] = None
+        return list(names)
+
+    @property
+    def token_key(self) -> str | None:
+        """The log key counting tokens seen, when the run logged one."""
+        return next((k for k in TOKEN_KEYS if any(_finite(e.get(k)) and e[k] > 0 for e in self.history)), None)
+
+    def tokens_at(self, steps: list[int]) -> list[float] | None:
+        """Tokens seen at ``steps`` (interpolated between logged counts), or None when the run did not count them."""
+        key = self.token_key
+        if key is None:
+            return None
+        known = sorted({e["step"]: float(e[key]) for e in self.history if "step" in e and _finite(e.get(key))}.items())
+        xs, ys = [0] + [s for s, _ in known], [0.0] + [t for _, t in known]
+        return [_interp(step, xs, ys) for step in steps]
+
+    def skip_events(self, key: str) -> list[tuple[int, int]]:
+        """(step, how many) where a cumulative counter (``skipped_optimizer_steps``, ``nan_guard_skipped_steps``)
+        grew; a counter that restarts (a resumed process counts from 0) is followed across the restart."""
+        out, previous = [], 0
+        for step, value in zip(*self.series(key), strict=False):
+            value = int(value)
+            grown = value - previous if value >= previous else value
+            if grown > 0:
+                out.append((step, grown))
+            previous = value
+        return out
+
+    @property
+    def resumes(self) -> list[Resume]:
+        out = []
+        for before, segment in zip(self.segments, self.segments[1:], strict=False):
+            if segment.resumed:
+                redone = max(before.last_step - segment.start_step, 0)
+                out.append(Resume(segment.start_step, segment.start_time, before.status, redone))
+        return out
+
+    @property
+    def global_step(self) -> int:
+        return int(self.state.get("global_step") or 0)
+
+    @property
+    def wall_seconds(self) -> float | None:
+        """Time spent in all segments (gaps between them left out); from train_runtime when there are no events."""
+        if self.segments:
+            return sum(s.seconds for s in self.segments)
+        runtime = self.results.get("train_runtime") or next(
+            (e["train_runtime"] for e in reversed(self.history) if "train_runtime" in e), None
+        )
+        return float(runtime) if runtime is not None else None
+
+    def first_start(self) -> dict[str, Any]:
+        return next((e for e in self.events if e["event"] == "start"), {})
+
+    def last_start(self) -> dict[str, Any]:
+        return next((e for e in reversed(self.events) if e["event"] == "start"), {})
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _by_step(entries: Any) -> list[dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for entry in entries:
+        out[int(entry["step"])] = entry
+    return [out[s] for s in sorted(out)]
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    if x >= xs[-1]:
+        return (
+            ys[-1]
+            if len(xs) < 2 or xs[-1] == xs[-2]
+            else ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        )
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            span = xs[i] - xs[i - 1]
+            return ys[i] if span == 0 else ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / span
+    return ys[-1]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror or error}") from error
+    if not text.strip():
+        raise ConfigError(f"{path} is empty: the run has logged nothing yet (or the file was cut short)")
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); the file may have been cut short") from error
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def list_checkpoints(run_dir: Path, events: list[dict[str, Any]]) -> list[Checkpoint]:
+    """The checkpoint-N folders (complete or not) and those the events say were saved and later rotated away."""
+    found: dict[int, Checkpoint] = {}
+    for child in run_dir.iterdir() if run_dir.is_dir() else ():
+        match = _CHECKPOINT.match(child.name)
+        if match and child.is_dir():
+            marker = _optional_json(child / MARKER) if (child / MARKER).is_file() else {}
+            complete = (child / MARKER).is_file() or (child / STATE_FILE).is_file()
+            found[int(match.group(1))] = Checkpoint(int(match.group(1)), child, complete, marker)
+    for event in events:
+        if event["event"] == "save" and isinstance(event.get("step"), int):
+            step = event["step"]
+            if step in found:
+                found[step].time = event.get("time")
+            else:
+                found[step] = Checkpoint(step, None, True, time=event.get("time"))
+    return [found[s] for s in sorted(found)]
+
+
+def _pick_state(run_dir: Path, checkpoints: list[Checkpoint]) -> Path | None:
+    """The trainer_state.json that reaches furthest: the run's own or its newest checkpoint's (top-level on a tie)."""
+    candidates = [run_dir / STATE_FILE] + [
+        c.path / STATE_FILE for c in reversed(checkpoints) if c.path is not None and c.complete
+    ][:1]
+    best, best_step = None, -1
+    for path in candidates:
+        if not path.is_file():
+            continue
+        step = _optional_json(path).get("global_step", 0) if path.stat().st_size else -1
+        if isinstance(step, int) and step > best_step:
+            best, best_step = path, step
+    return best or next((p for p in candidates if p.is_file()), None)
+
+
+def segments_of(events: list[dict[str, Any]]) -> list[Segment]:
+    """Split the events at each start; each segment ends at its 'end' event or its last event (interrupted)."""
+    segments: list[Segment] = []
+    current: Segment | None = None
+    for event in events:
+        kind, when = event["event"], float(event.get("time", 0.0))
+        step = event.get("step") if isinstance(event.get("step"), int) else None
+        if kind == "start":
+            if current is not None:
+                segments.append(current)
+            start_step = step or 0
+            current = Segment(start_step, when, bool(event.get("resumed")), start_step, when, "interrupted", event)
+            continue
+        if current is None:
+            continue
+        current.last_time = max(current.last_time, when)
+        if step is not None:
+            current.last_step = max(current.last_step, step)
+        if kind == "end":
+            current.status = event.get("status", "finished")
+    if current is not None:
+        segments.append(current)
+    if segments and segments[-1].status == "interrupted" and _still_running(segments[-1], events):
+        segments[-1].status = "running"
+    return segments
+
+
+def _still_running(segment: Segment, events: list[dict[str, Any]]) -> bool:
+    alive = process_alive(segment.info)
+    if alive is None:  # another host: judge by the last sign of life
+        return seconds_since(events[-1]) < QUIET_SECONDS
+    return alive
+
+
+def load_run(path: str | Path, *, allow_running: bool = False, label: str | None = None) -> RunData:
+    """Read one run folder; ConfigError (one line) when it is not a run, has logged nothing, or is still training."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise ConfigError(f"{str(path)!r}: no such folder. Pass the --output_dir of a training run")
+    if not run_dir.is_dir():
+        raise ConfigError(f"{str(path)!r} is a file, not a run folder. Pass the --output_dir of a training run")
+    events = read_events(run_dir)
+    checkpoints = list_checkpoints(run_dir, events)
+    segments = segments_of(events)
+    if segments and segments[-1].status == "running" and not allow_running:
+        start = segments[-1].info
+        raise ConfigError(
+            f"{str(path)!r} is still training (pid {start.get('pid')} on {start.get('host')}, at step "
+            f"{segments[-1].last_step}); its report is refreshed at each checkpoint in {run_dir / 'report'} and "
+            "written in full when it ends (or pass --partial to plot it now)"
+        )
+    state_file = _pick_state(run_dir, checkpoints)
+    if state_file is None:
+        if events:
+            raise ConfigError(
+                f"{str(path)!r} has no {STATE_FILE} yet (no checkpoint saved and the run did not finish): "
+                "nothing to plot; its curves appear with its first checkpoint"
+            )
+        raise ConfigError(
+            f"{str(path)!r} is not a training run folder: no {STATE_FILE}, no checkpoint-N/ and no {EVENTS_FILE}. "
+            "Pass the --output_dir of a training run"
+        )
+    state = _read_json(state_file)
+    if not isinstance(state, dict):
+        raise ConfigError(f"{state_file} is not a trainer state (expected a JSON object)")
+    history = state.get("log_history")
+    if not isinstance(history, list) or not any(isinstance(e, dict) and "step" in e for e in history):
+        raise ConfigError(
+            f"{state_file} has an empty log (log_history holds no logged step): nothing to plot. "
+            "Log more often (--logging_steps) or train longer"
+        )
+    state["log_history"] = [e for e in history if isinstance(e, dict)]
+    job = _optional_json(run_dir / JOB_FILE).get("job") or None
+    status = segments[-1].status if segments else ("finished" if (run_dir / STATE_FILE).is_file() else "unknown")
+    run = RunData(
+        path=run_dir,
+        label=label or run_dir.resolve().name,
+        state=state,
+        state_file=state_file,
+        job=job,
+        events=events,
+        results=_optional_json(run_dir / "all_results.json"),
+        checkpoints=checkpoints,
+        segments=segments,
+        status=status,
+    )
+    return run
+
+
+def load_runs(paths: list[str | Path], *, allow_running: bool = False) -> list[RunData]:
+    """Read several run folders, labelled by folder name (with the parent's name added where two names clash)."""
+    runs = [load_run(p, allow_running=allow_running) for p in paths]
+    names = [r.label for r in runs]
+    for run in runs:
+        if names.count(run.label) > 1:
+            run.label = f"{run.path.resolve().parent.name}/{run.label}"
+    labels = [r.label for r in runs]
+    for i, run in enumerate(runs):
+        if labels.count(run.label) > 1:
+            run.label = f"{run.label} #{i + 1}"
+    return runs
