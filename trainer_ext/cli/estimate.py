@@ -1,0 +1,148 @@
+"""``trainer-ext estimate``: per-rank memory of a training job before it runs, and (``--measure``) after two steps.
+
+Takes every ``trainer-ext train`` flag (model, data, batch, precision, ``--fsdp``/``--deepspeed``) plus
+``--num_processes``, ``--device_memory``, ``--measure`` and ``--json FILE``. See docs/estimate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import env_vars
+from ..errors import ConfigError
+from ..values import format_size, parse_size
+
+WORKER = "trainer_ext.estimate.worker"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(f"estimate: {message.removeprefix('argument ')}")
+
+
+def _positive(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="trainer-ext estimate",
+        add_help=False,
+        allow_abbrev=False,
+        description="Estimate per-rank memory of `trainer-ext train` with the same flags; every train flag is "
+        "accepted (trainer-ext train --help).",
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument("--num_processes", type=_positive, default=1, help="processes (ranks) to estimate for")
+    parser.add_argument(
+        "--device_memory",
+        metavar="SIZE",
+        help="memory of one device, e.g. 80GiB or 24GB: prints the largest "
+        "micro-batch that fits and the flags that make the job fit",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run two real optimizer steps on this machine and print what each rank held beside the estimate",
+    )
+    parser.add_argument("--json", metavar="FILE", help='write {"estimated": {...}, "measured": {...}} in bytes')
+    return parser
+
+
+def measure(train_argv: Sequence[str], num_processes: int, timeout: float | None = None) -> dict[str, Any]:
+    """Run the job for two optimizer steps on ``num_processes`` local ranks; the largest value of each key."""
+    out_dir = tempfile.mkdtemp(prefix="trainer-ext-estimate-")
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in env_vars.TORCHRUN_VARS}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={num_processes}",
+            "--max_restarts=0",
+            "-m",
+            WORKER,
+            out_dir,
+            *train_argv,
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        ranks = [json.load(open(p, encoding="utf-8")) for p in sorted(glob.glob(os.path.join(out_dir, "rank*.json")))]
+        if proc.returncode != 0 or len(ranks) != num_processes:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise RuntimeError(f"the measuring run failed (exit {proc.returncode}):\n{tail}")
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    keys = {key for rank in ranks for key in rank}
+    measured = {key: max(rank.get(key, 0) for rank in ranks) for key in sorted(keys)}
+    measured["ranks"] = ranks
+    return measured
+
+
+def _model_line(shape: Any) -> str:
+    return (
+        f"model: {shape.model_type}, {shape.params / 1e6:,.2f}M parameters ({shape.trainable / 1e6:,.2f}M trainable), "
+        f"{shape.num_layers} layers, hidden {shape.hidden}, intermediate {shape.intermediate}, "
+        f"{shape.heads} heads ({shape.kv_heads} kv), vocabulary {shape.vocab}"
+    )
+
+
+def run_estimate(argv: Sequence[str]) -> int:
+    """Print the estimate (and the measurement); exit 0, 1 when the measuring run failed."""
+    from ..estimate.breakdown import estimate
+    from ..estimate.fit import largest_batch, remedies
+    from ..estimate.job import job_from_argv
+    from ..estimate.report import format_breakdown, json_document, write_json
+
+    parser = build_parser()
+    options, train_argv = parser.parse_known_args(list(argv))
+    if options.help:
+        parser.print_help()
+        return 0
+    limit = parse_size(options.device_memory, "--device_memory") if options.device_memory is not None else None
+    if limit is not None and limit <= 0:
+        raise ConfigError(f"--device_memory must be more than 0 bytes, got {options.device_memory!r}")
+    started = time.perf_counter()
+    job = job_from_argv(train_argv, options.num_processes)
+    breakdown = estimate(job.shape, job.setup)
+    print(_model_line(job.shape))
+    print(f"estimated in {time.perf_counter() - started:.1f}s (model on the meta device), per rank:")
+    measured = None
+    if options.measure:
+        try:
+            measured = measure(train_argv, options.num_processes)
+        except RuntimeError as error:
+            print(format_breakdown(breakdown, job.setup, indent="  "))
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+    print(format_breakdown(breakdown, job.setup, measured, indent="  "))
+    extra: dict[str, Any] = {}
+    if limit is not None:
+        batch = largest_batch(job.shape, job.setup, limit)
+        extra.update(device_memory=limit, largest_batch=batch)
+        print(f"largest micro-batch that fits {format_size(limit)} per device: {batch}")
+        if breakdown.peak > limit:
+            print(f"the peak {format_size(breakdown.peak)} does not fit {format_size(limit)}; flags that lower it:")
+            for remedy in remedies(job.shape, job.setup, limit):
+                verdict = "fits" if remedy.fits else "not enough alone"
+                print(f"  {remedy.flags:<70} -> {format_size(remedy.peak)} ({verdict})")
+    if options.json:
+        write_json(options.json, json_document(breakdown, job.setup, extra, measured))
+    return 0

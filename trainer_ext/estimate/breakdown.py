@@ -1,0 +1,94 @@
+"""Per-rank memory for one job: weights, gradients, optimizer states, activations, per strategy.
+
+``total`` is what a rank holds at the step (tensors plus bytes saved for backward): the number ``--measure``
+checks. ``peak`` adds the short-lived buffers a device must also fit (gathered FSDP/ZeRO-3 units, autocast weight
+copies, DDP's gradient buckets, the logits around the loss); the fit search and the start-up warning use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .activations import activation_bytes, transient_activation_bytes
+from .setup import Setup
+from .shape import ModelShape
+
+KEYS = ("weights", "gradients", "optimizer", "activations", "total")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per rank on the device; ``offloaded`` is host memory per rank under CPU offload."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    activations_checkpointed: int
+    activations_full: int
+    transient: int
+    offloaded: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    @property
+    def peak(self) -> int:
+        return self.total + self.transient
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total, "peak": self.peak}
+
+
+def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float, float]:
+    """(weights, gradients, optimizer, transient weights, offloaded) bytes per rank."""
+    p, t, w = shape.params, shape.trainable, setup.shards
+    cb, ob = setup.compute_bytes, setup.optimizer_bytes
+    mixed = setup.precision in ("bf16", "fp16")
+    gathered = cb * (shape.outer_params + 2 * shape.layer_params)  # root unit + the running and the prefetched layer
+    if setup.strategy == "fsdp":
+        states = (4 * p / w, 4 * t / w, ob * t / w)
+        transient = (gathered if setup.reshard_after_forward else cb * p) + 4 * max(
+            shape.layer_params, shape.outer_params
+        )
+        if setup.offload_params:
+            return 0.0, 0.0, 0.0, transient, sum(states)
+        return (*states, transient, 0.0)
+    if setup.strategy == "deepspeed":
+        md = 2 if mixed else 4  # DeepSpeed keeps the model itself in the training dtype, plus fp32 master partitions
+        stage = setup.zero_stage
+        model = md * p / w if stage >= 3 else md * p
+        # fp32 master partitions: a separate copy under bf16/fp16; under fp32 ZeRO-3 steps the partitions themselves
+        master = 4 * p / w if stage >= 1 and (mixed or stage < 3) else 0.0
+        grads = md * t if stage <= 1 else md * t / w
+        optim = ob * t / w if stage >= 1 else ob * t
+        offloaded = 0.0
+        if setup.offload_optimizer:
+            offloaded += master + grads + optim
+            master = grads = optim = 0.0
+        if setup.offload_params and stage >= 3:
+            offloaded += model
+            model = 0.0
+        transient = md * (shape.outer_params + 2 * shape.layer_params) if stage >= 3 else 0.0
+        return model + master, grads, optim, transient, offloaded
+    transient = (cb * p if mixed else 0) + (4 * t if setup.strategy == "ddp" else 0)  # autocast copies, DDP buckets
+    return 4 * p, 4 * t, ob * t, transient, 0.0
+
+
+def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Breakdown:
+    """The per-rank memory of ``setup`` (at micro-batch ``batch``, default the setup's)."""
+    batch = setup.micro_batch if batch is None else batch
+    weights, gradients, optimizer, transient, offloaded = _states(shape, setup)
+    full = activation_bytes(shape, setup, batch, checkpointing=False)
+    checkpointed = activation_bytes(shape, setup, batch, checkpointing=True)
+    return Breakdown(
+        weights=int(weights),
+        gradients=int(gradients),
+        optimizer=int(optimizer),
+        activations=checkpointed if setup.checkpointing else full,
+        activations_checkpointed=checkpointed,
+        activations_full=full,
+        transient=int(transient + transient_activation_bytes(shape, setup, batch, setup.checkpointing)),
+        offloaded=int(offloaded),
+    )

@@ -1,0 +1,139 @@
+"""What the job does with the model: strategy, sharding and offload, precision, batch and sequence, optimizer.
+
+Read from the values of ``trainer-ext train``'s flags (:func:`setup_from_values`) without building any backend, so
+an fp16 or 8-GPU ZeRO-3 job is estimated on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
+# bytes of optimizer state per trainable parameter (fp32 states)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adafactor": 4, "sgd": 4, "lion": 4, "8bit": 2, "rmsprop": 4}
+
+
+def optimizer_state_bytes(optim: str) -> int:
+    """State bytes per parameter for a transformers ``--optim`` name (AdamW: two fp32 moments = 8)."""
+    name = str(optim).lower()
+    if "8bit" in name:
+        return OPTIMIZER_STATE_BYTES["8bit"]
+    for key, value in OPTIMIZER_STATE_BYTES.items():
+        if key in name:
+            return value
+    return 8
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The memory-relevant choices of one job, per rank."""
+
+    strategy: str = "single"
+    world_size: int = 1
+    precision: str = "no"  # no | bf16 | fp16
+    zero_stage: int = 0  # DeepSpeed only
+    offload_optimizer: bool = False  # ZeRO offload_optimizer / FSDP2 cpu_offload
+    offload_params: bool = False  # ZeRO-3 offload_param / FSDP2 cpu_offload
+    reshard_after_forward: bool = True  # FSDP2
+    micro_batch: int = 8
+    seq_len: int = 128
+    accumulation: int = 1
+    checkpointing: bool = False
+    optimizer_bytes: int = 8
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
+        if self.world_size < 1:
+            raise ConfigError(f"--num_processes must be at least 1, got {self.world_size}")
+        if self.strategy == "single" and self.world_size > 1:
+            object.__setattr__(self, "strategy", "ddp")
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations and of gathered/cast weights: 2 under bf16/fp16, else 4."""
+        return 2 if self.precision in ("bf16", "fp16") else 4
+
+    @property
+    def shards(self) -> int:
+        return self.world_size if self.strategy in ("fsdp", "deepspeed") else 1
+
+    def replace(self, **changes: Any) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line: strategy and options, world size, precision, batch."""
+        if self.strategy == "fsdp":
+            name = "FSDP2 " + ("full_shard" if self.reshard_after_forward else "shard_grad_op")
+            name += " + cpu_offload" if self.offload_params else ""
+        elif self.strategy == "deepspeed":
+            name = f"DeepSpeed ZeRO-{self.zero_stage}"
+            offloads = [w for w, on in (("optimizer", self.offload_optimizer), ("param", self.offload_params)) if on]
+            name += f" (offload {', '.join(offloads)})" if offloads else ""
+        else:
+            name = self.strategy.upper() if self.strategy == "ddp" else "single process"
+        precision = {"no": "fp32"}.get(self.precision, self.precision)
+        ckpt = ", activation checkpointing" if self.checkpointing else ""
+        return (
+            f"{name} on {self.world_size} process{'es' if self.world_size > 1 else ''}, {precision}, micro-batch "
+            f"{self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulation}{ckpt}"
+        )
+
+
+def _deepspeed_settings(source: Any) -> dict[str, Any]:
+    from ..distributed.deepspeed_config import get_value, load_deepspeed_config, zero_stage
+
+    config = load_deepspeed_config(source)
+
+    def offloaded(key: str) -> bool:
+        return str(get_value(config, f"zero_optimization.{key}.device", "none")).lower() in ("cpu", "nvme")
+
+    precision = None
+    for name in ("bf16", "fp16"):
+        if get_value(config, f"{name}.enabled", False) is True:
+            precision = name
+    return dict(
+        zero_stage=zero_stage(config),
+        offload_optimizer=offloaded("offload_optimizer"),
+        offload_params=offloaded("offload_param"),
+        precision=precision,
+    )
+
+
+def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int) -> Setup:
+    """The Setup of a ``trainer-ext train`` job from its flag values (after defaults were filled in)."""
+    from ..distributed.fsdp_config import fsdp_requested, parse_fsdp
+
+    precision = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "no"
+    checkpointing = bool(values.get("activation_checkpointing") or values.get("gradient_checkpointing"))
+    options: dict[str, Any] = {}
+    strategy = "ddp" if world_size > 1 else "single"
+    if values.get("deepspeed"):
+        strategy = "deepspeed"
+        ds = _deepspeed_settings(values["deepspeed"])
+        precision = ds.pop("precision") or precision
+        options.update(ds)
+    elif fsdp_requested(values.get("fsdp")):
+        strategy = "fsdp"
+        settings = parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
+        options.update(
+            reshard_after_forward=settings.reshard_after_forward,
+            offload_params=settings.cpu_offload,
+            offload_optimizer=settings.cpu_offload,
+        )
+        checkpointing = checkpointing or settings.activation_checkpointing
+    return Setup(
+        strategy=strategy,
+        world_size=world_size,
+        precision=precision,
+        micro_batch=int(values.get("per_device_train_batch_size") or 8),
+        seq_len=seq_len,
+        accumulation=int(values.get("gradient_accumulation_steps") or 1),
+        checkpointing=checkpointing,
+        optimizer_bytes=optimizer_state_bytes(values.get("optim") or "adamw_torch"),
+        **options,
+    )

@@ -1,0 +1,87 @@
+"""The numbers of a model that memory depends on, read from the model itself (meta device: nothing allocated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (each shared tensor once: a tied embedding/lm_head counts once) and the sizes the
+    activation formula needs."""
+
+    model_type: str
+    params: int
+    trainable: int
+    layer_params: int  # parameters of one repeated block (the unit FSDP2/ZeRO-3 gather at a time)
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    causal_lm: bool
+    attn_implementation: str = "sdpa"
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // max(self.heads, 1)
+
+    @property
+    def outer_params(self) -> int:
+        """Parameters outside the repeated blocks (embeddings, final norm, head): FSDP2's root unit."""
+        return max(self.params - self.num_layers * self.layer_params, 0)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        """Read a (meta-device or real) transformers model."""
+        config = model.config
+        unique = {id(p): p for p in model.parameters()}.values()
+        params = sum(p.numel() for p in unique)
+        trainable = sum(p.numel() for p in unique if p.requires_grad)
+        layers = _repeated_blocks(model)
+        layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
+        hidden = _first(config, "hidden_size", "n_embd", "d_model", default=0)
+        heads = _first(config, "num_attention_heads", "n_head", default=1)
+        architectures = type(model).__name__
+        dropouts = [
+            _first(config, name, default=0.0)
+            for name in ("hidden_dropout_prob", "resid_pdrop", "attention_dropout", "attn_pdrop", "hidden_dropout")
+        ]
+        return cls(
+            model_type=str(getattr(config, "model_type", "unknown")),
+            params=params,
+            trainable=trainable,
+            layer_params=layer_params,
+            num_layers=_first(config, "num_hidden_layers", "n_layer", default=len(layers)) or len(layers),
+            hidden=hidden,
+            intermediate=_first(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden,
+            heads=heads,
+            kv_heads=_first(config, "num_key_value_heads", default=heads) or heads,
+            vocab=_first(config, "vocab_size", default=0),
+            causal_lm=architectures.endswith(("ForCausalLM", "LMHeadModel")),
+            attn_implementation=str(getattr(config, "_attn_implementation", None) or "sdpa"),
+            dropout=float(max(float(d or 0.0) for d in dropouts)),
+        )
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder/encoder blocks: its ``_no_split_modules`` classes, else the longest ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
