@@ -133,6 +133,7 @@ def test_the_save_renaming_hook_exists() -> None:
 # computes the same sets from our classes, so a rename on either side shows up as a difference.
 PRIVATE_OVERRIDES = {
     transformers.Trainer: {
+        "_get_num_items_in_batch",  # exact_eval: the count a batch's loss was divided by
         "_update_auto_batch_size",
         "_load_best_model",
         "_load_from_checkpoint",
@@ -145,7 +146,7 @@ PRIVATE_OVERRIDES = {
     transformers.TrainingArguments: {"_process_fsdp_args", "_setup_devices"},
 }
 PRIVATE_NAMES_USED = {
-    transformers.Trainer: {"_created_lr_scheduler", "_get_output_dir", "_train_batch_size"},
+    transformers.Trainer: {"_created_lr_scheduler", "_get_output_dir", "_prepare_inputs", "_train_batch_size"},
     transformers.TrainingArguments: {"_n_gpu"},
 }
 OUR_CLASSES = {transformers.Trainer: Trainer, transformers.TrainingArguments: TrainingArguments}

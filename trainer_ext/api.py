@@ -40,6 +40,46 @@ def train(
     the merged model in ``output_dir/merged``, merged in place at the very end).
     """
     args = _as_job_arguments(args)
+    fresh = not os.path.exists(args.output_dir)
+    try:
+        trainer, tokenized, resume = _set_up(args, callbacks)
+    except BaseException:
+        if fresh:  # a refused start leaves no trace: not even the empty folder the Trainer made
+            _remove_if_empty(args.output_dir)
+        raise
+    classify = args.task == "sequence-classification"
+    report = _attach_report(trainer) if args.report_plots else None
+    output_dir.start_run(args, trainer)
+    result = trainer.train(resume_from_checkpoint=resume)
+    if not _saves_final_model(trainer):  # else UnwrapAndSaveCallback already wrote and checked it
+        trainer.save_model()
+    metrics = {**result.metrics, "train_samples": len(tokenized["train"])}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    if "validation" in tokenized:
+        eval_metrics = trainer.evaluate()
+        eval_metrics["eval_samples"] = len(tokenized["validation"])
+        if classify:
+            eval_metrics["eval_baseline_accuracy"] = majority_share(tokenized["validation"]["labels"])
+        elif "eval_perplexity" not in eval_metrics:  # --metrics perplexity computes it exactly, per token
+            eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    trainer.save_state()
+    if args.merge_lora:  # last: the merge is done in place
+        save_merged(trainer, os.path.join(args.output_dir, MERGED_DIR))
+    if report is not None:
+        report.finish()  # last: the page shows the final evaluation and where the model went
+    return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def _set_up(
+    args: TrainJobArguments, callbacks: Sequence[transformers.TrainerCallback] | None
+) -> tuple[transformers.Trainer, datasets.DatasetDict, str | None]:
+    """Everything before the first write to ``output_dir``: data, tokenizer, model, the Trainer, every check
+    that can fail (optimizer, schedule, the checkpoint to resume from); returns the Trainer, the tokenized data and
+    the checkpoint (or None)."""
     if args.process_index == 0 and args.auto_filled:
         filled = ", ".join(f"{k}={v}" for k, v in args.auto_filled.items())
         logger.info("%s job; defaults filled in (any flag overrides them): %s", args.task, filled)
@@ -83,27 +123,27 @@ def train(
             raise
         raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
     _preflight(trainer)
-    output_dir.start_run(args, trainer)
-    result = trainer.train(resume_from_checkpoint=resume)
-    if not _saves_final_model(trainer):  # else UnwrapAndSaveCallback already wrote and checked it
-        trainer.save_model()
-    metrics = {**result.metrics, "train_samples": len(tokenized["train"])}
-    trainer.log_metrics("train", metrics)
-    trainer.save_metrics("train", metrics)
-    if "validation" in tokenized:
-        eval_metrics = trainer.evaluate()
-        eval_metrics["eval_samples"] = len(tokenized["validation"])
-        if classify:
-            eval_metrics["eval_baseline_accuracy"] = majority_share(tokenized["validation"]["labels"])
-        elif "eval_perplexity" not in eval_metrics:  # --metrics perplexity computes it exactly, per token
-            eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
-        metrics.update(eval_metrics)
-    trainer.save_state()
-    if args.merge_lora:  # last: the merge is done in place
-        save_merged(trainer, os.path.join(args.output_dir, MERGED_DIR))
-    return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+    resume = trainer.resolve_resume(resume)  # a refused checkpoint fails here, before anything is written
+    if args.run_summary:  # the per-rank memory estimate, and a warning naming the fixing flags when it cannot fit
+        from .estimate.startup import startup_estimate
+
+        startup_estimate(trainer)
+    return trainer, tokenized, resume
+
+
+def _remove_if_empty(directory: str) -> None:
+    """Remove ``directory`` if it exists and holds nothing (what a refused start may have created)."""
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
+
+
+def _attach_report(trainer: transformers.Trainer) -> Any:
+    """--report_plots: record the run's events and write output_dir/report at checkpoints and at the end."""
+    from .report.callback import attach_report
+
+    return attach_report(trainer)
 
 
 def _saves_final_model(trainer: transformers.Trainer) -> bool:

@@ -14,9 +14,19 @@ from typing import Any
 
 from .data import CORPUS, SENTIMENT
 from .errors import ConfigError, did_you_mean
+from .field_types import check_field_types
 from .lora_arguments import LORA_ALPHA_PER_RANK, LORA_DROPOUT, LoraArguments
 from .metrics_arguments import MetricsArguments
 from .training_args import TrainingArguments
+from .values import parse_size
+
+MAX_SEQ_LENGTH = 1 << 20  # tokens: a from-scratch model's position table is sized from it
+# values the Trainer takes besides what the field's annotation says (a config file may write them so)
+LOOSER_TYPES: dict[str, tuple[type, ...]] = {
+    "fsdp": (bool, list),
+    "resume_from_checkpoint": (bool,),
+    "debug": (type(None),),  # HfArgumentParser's own default for it
+}
 
 TASKS = ("sequence-classification", "causal-lm")
 
@@ -201,8 +211,6 @@ class DataArguments:
             raise ConfigError(
                 f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}"
             )
-        if self.max_seq_length < 2:
-            raise ConfigError(f"--max_seq_length must be at least 2, got {self.max_seq_length}")
         for flag in ("max_train_samples", "max_eval_samples"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ConfigError(f"--{flag} must be at least 1, got {getattr(self, flag)}")
@@ -286,8 +294,24 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         default=True,
         metadata=_help("On SIGTERM/SIGUSR1: save a checkpoint at the next step, exit with --preemption_exit_code."),
     )
+    report_plots: bool = field(
+        default=True,
+        metadata=_help(
+            "Write curves and a summary to --output_dir/report (report.html) at checkpoints and at the end."
+        ),
+    )
+    device_memory: str | None = field(
+        default=None,
+        metadata=_help(
+            "Memory of one device, such as 80GiB: the start-up block warns when the memory estimate exceeds it "
+            "and names the flags that would make it fit. Default: the GPU's own memory (no limit on CPU)."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        # every value's shape first: a list or mapping where a number goes must not reach anything below
+        check_field_types(self, also=LOOSER_TYPES)
+        self.validate_ranges()
         self.validate_model()
         self.validate_data()
         self.validate_lora()
@@ -319,6 +343,34 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
             if getattr(self, name) is None:
                 setattr(self, name, value)
                 self.auto_filled[name] = value
+
+    def validate_ranges(self) -> None:
+        """Values of the right type that still mean nothing (a run of -125 steps, a save every -3 steps).
+
+        None is a value still to be filled by the job's automatic defaults.
+        """
+        steps, epochs = self.max_steps, self.num_train_epochs
+        if steps is not None and steps < -1:
+            raise ConfigError(f"--max_steps must be -1 (train --num_train_epochs) or more than 0, got {steps}")
+        if epochs is not None and epochs < 0:
+            raise ConfigError(f"--num_train_epochs must not be negative, got {epochs}")
+        if steps is not None and epochs is not None and steps <= 0 and epochs <= 0:
+            raise ConfigError(
+                f"nothing to train: --max_steps {steps} and --num_train_epochs {epochs}; set --max_steps to a "
+                "number of optimizer steps, or --num_train_epochs to more than 0"
+            )
+        for flag in ("save_steps", "eval_steps", "logging_steps"):
+            value = getattr(self, flag)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"--{flag} must be more than 0 (a number of steps, or below 1 a fraction of the run), got {value}"
+                )
+        if not 2 <= self.max_seq_length <= MAX_SEQ_LENGTH:
+            raise ConfigError(
+                f"--max_seq_length must be between 2 and {MAX_SEQ_LENGTH} tokens, got {self.max_seq_length}"
+            )
+        if self.device_memory is not None and parse_size(self.device_memory, "--device_memory") <= 0:
+            raise ConfigError(f"--device_memory must be more than 0 bytes, got {self.device_memory!r}")
 
     def fingerprint(self) -> dict[str, Any]:
         """The fields that identify a job's model and data: two runs with equal fingerprints are the same job.

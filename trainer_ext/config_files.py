@@ -57,8 +57,45 @@ def load_mapping(
     return parse_mapping(text, name, fmt=fmt or file_format(file), unique_keys=unique_keys)
 
 
+MAX_DEPTH = 64  # levels of nesting: real configs use a handful; thousands would exhaust the stack downstream
+
+
 def parse_mapping(text: str, what: str, *, fmt: str = YAML, unique_keys: bool = False) -> dict[str, Any]:
     """The mapping in YAML or JSON ``text`` (inline JSON from a flag, or a file's contents) named ``what``."""
+    too_deep = ConfigError(f"{what} is nested more than {MAX_DEPTH} levels deep; a config is a few levels of keys")
+    try:
+        data = _parse(text, what, fmt, unique_keys)
+    except RecursionError:
+        raise too_deep from None
+    if data is None and fmt == YAML:
+        return {}
+    if _depth(data) > MAX_DEPTH:
+        raise too_deep
+    if not isinstance(data, dict):
+        expected = "a JSON object ({...})" if fmt == JSON else "a mapping of keys to values"
+        raise ConfigError(f"{what} must hold {expected}, not {type(data).__name__}")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """Levels of nesting of lists and mappings, counted without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _parse(text: str, what: str, fmt: str, unique_keys: bool) -> Any:
     if fmt == JSON:
         hook = _refuse_duplicate_keys if unique_keys else None
         try:
@@ -74,11 +111,6 @@ def parse_mapping(text: str, what: str, *, fmt: str = YAML, unique_keys: bool = 
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ConfigError(f"{what} is not valid YAML: {' '.join(str(error).split())}") from None
-    if data is None and fmt == YAML:
-        return {}
-    if not isinstance(data, dict):
-        expected = "a JSON object ({...})" if fmt == JSON else "a mapping of keys to values"
-        raise ConfigError(f"{what} must hold {expected}, not {type(data).__name__}")
     return data
 
 

@@ -41,8 +41,9 @@ RUN_ARTIFACTS = (
     "all_results.json",
     "adapter_model.safetensors",  # a LoRA run's (trainer-ext train --lora_r)
     "adapter_config.json",
+    "trainer_ext_events.jsonl",  # the run's event log (report.events), read by trainer-ext report
 )
-RUN_FOLDERS = ("merged",)  # --merge_lora's export
+RUN_FOLDERS = ("merged", "report")  # --merge_lora's export; the run report (--report_plots)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
 
 

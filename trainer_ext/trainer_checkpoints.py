@@ -32,6 +32,7 @@ class CheckpointingMixin:
 
     _preemption: PreemptionCallback | None = None
     _rotation_limit: int | None = None
+    _resolved_resume: tuple[Any, str | None] | None = None  # (request, checkpoint) of the last resolve_resume
 
     def _install_preemption(self) -> PreemptionCallback | None:
         """The preemption handler when ``save_on_preemption`` is set (a duty, or the user's listed instance)."""
@@ -52,6 +53,7 @@ class CheckpointingMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``train`` with ``True``/``"auto"``/``"latest"`` resolved to the newest complete checkpoint."""
         resume = self.resolve_resume(resume_from_checkpoint)
+        self._resolved_resume = None  # a later train() looks again (new checkpoints may exist by then)
         preemption = self._install_preemption()
         self._rotation_limit = self.args.save_total_limit
         self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
@@ -73,7 +75,19 @@ class CheckpointingMixin:
 
     def resolve_resume(self, value: str | bool | None) -> str | None:
         """The checkpoint to resume from: ``True``/"true"/"latest" = the newest complete one (ValueError if none),
-        ``"auto"`` = the same or None, a path = that checkpoint, verified (ValueError when it does not exist)."""
+        ``"auto"`` = the same or None, a path = that checkpoint, verified (ValueError when it does not exist).
+
+        The answer is kept: asked again with the same request or its answer (``train()`` after a job checked the
+        resume before writing anything), it is not verified twice.
+        """
+        cached = self._resolved_resume
+        if cached is not None and (value == cached[0] or (value is not None and value == cached[1])):
+            return cached[1]
+        path = self._resolve_resume(value)
+        self._resolved_resume = (value, path)
+        return path
+
+    def _resolve_resume(self, value: str | bool | None) -> str | None:
         value = resume_request(value)
         if value is None:
             return None

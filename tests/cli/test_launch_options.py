@@ -213,7 +213,7 @@ def test_config_file_lookup_order(gpus, home, tmp_path, monkeypatch, script):
             "deepspeed file 'missing.json' (command line --deepspeed) does not exist",
         ),
         ("compute_environment: AMAZON_SAGEMAKER\n", [], "compute_environment AMAZON_SAGEMAKER is not supported"),
-        ("", ["--num_processes", "0"], "--num_processes: 0 must be at least 1"),
+        ("", ["--num_processes", "0"], "--num_processes: 0 must be between 1 and 1048576"),
         ("", ["--gpu_ids", "first"], "--gpu_ids: 'first' is not 'all' or a list of GPU indices"),
         ("", ["--main_process_port", "99999"], "--main_process_port: 99999 must be between 1 and 65535"),
     ],

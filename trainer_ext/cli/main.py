@@ -41,6 +41,13 @@ COMMANDS: dict[str, Command] = {
     "test": Command(
         "self-test the configured processes: collectives and a few training steps", "trainer_ext.cli.selftest:run_test"
     ),
+    "report": Command(
+        "plot runs: curves and a summary as PNGs and one HTML page", "trainer_ext.cli.report:run_report"
+    ),
+    "estimate": Command(
+        "per-rank memory of a train job before it runs (--measure: checked by two real steps)",
+        "trainer_ext.cli.estimate:run_estimate",
+    ),
 }
 
 

@@ -154,18 +154,26 @@ def host(value: Any) -> str:
     return text
 
 
+# Upper bounds far beyond any real job, so that a typo or a crafted value (10**23 processes) is refused up front
+# instead of reaching torchrun; each message states the valid range.
+MAX_MACHINES = 1 << 16
+MAX_PROCESSES_PER_MACHINE = 1 << 10
+MAX_PROCESSES = MAX_MACHINES * 16
+MAX_RESTARTS = 10_000
+MAX_ACCUMULATION = 1 << 20
+
 # Keys mapped one to one onto the launch setting of the same name: key -> converter.
 PLAIN_KEYS: dict[str, Callable[[Any], Any]] = {
-    "num_processes": whole_number(1),
-    "num_machines": whole_number(1),
-    "machine_rank": whole_number(0),
+    "num_processes": whole_number(1, MAX_PROCESSES),
+    "num_machines": whole_number(1, MAX_MACHINES),
+    "machine_rank": whole_number(0, MAX_MACHINES - 1),
     "main_process_ip": host,
     "main_process_port": whole_number(1, 65535),
     "rdzv_backend": one_of(RDZV_BACKENDS),
-    "max_restarts": whole_number(0),
+    "max_restarts": whole_number(0, MAX_RESTARTS),
     "gpu_ids": gpu_ids,
     "mixed_precision": one_of(MIXED_PRECISION),
-    "gradient_accumulation_steps": whole_number(1),
+    "gradient_accumulation_steps": whole_number(1, MAX_ACCUMULATION),
     "debug": parse_bool,
 }
 SPECIAL_KEYS = ("compute_environment", "distributed_type", "use_cpu", "deepspeed_config", "fsdp_config", "fp16")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_file import PLAIN_KEYS, ConfigFile, whole_number
+from .config_file import MAX_PROCESSES_PER_MACHINE, PLAIN_KEYS, ConfigFile, whole_number
 
 DEFAULT = "default"
 DEFAULTS: dict[str, Any] = {
@@ -56,7 +56,11 @@ SHOWN = (
 )
 PROCESS_KEYS = ("num_processes", "nproc_per_node")
 # command-line values go through the same checks as config-file values
-CONVERTERS = {**PLAIN_KEYS, "nproc_per_node": whole_number(1), "rdzv_timeout": whole_number(1)}
+CONVERTERS = {
+    **PLAIN_KEYS,
+    "nproc_per_node": whole_number(1, MAX_PROCESSES_PER_MACHINE),
+    "rdzv_timeout": whole_number(1, 7 * 24 * 3600),  # seconds: a week
+}
 
 
 @dataclass
