@@ -124,3 +124,12 @@ def test_refusals_after_start_up_write_nothing_and_a_correct_job_follows(tmp_pat
     assert "holds another model" in words
     assert not (out / RUN_FILE).exists()
     assert main(["train", *QUICK, "--output_dir", str(out)]) == 0  # the correct job is not refused
+
+
+def test_an_empty_train_file_says_it_is_empty(tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out"
+    said = _refused(capsys, "train", "--train_file", str(empty), "--output_dir", str(out))
+    assert f"could not load data from {str(empty)!r}: {str(empty)!r} is empty (0 bytes)" in said
+    assert not out.exists()

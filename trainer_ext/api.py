@@ -124,6 +124,7 @@ def _set_up(
         raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
     _preflight(trainer)
     resume = trainer.resolve_resume(resume)  # a refused checkpoint fails here, before anything is written
+    output_dir.check_space(args, trainer)
     if args.run_summary:  # the per-rank memory estimate, and a warning naming the fixing flags when it cannot fit
         from .estimate.startup import startup_estimate
 
@@ -201,7 +202,7 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
         raise
     except Exception as error:  # unreadable file, missing hub dataset, no network: all the user's to fix
         source = args.dataset_name or args.train_file
-        raise ConfigError(f"could not load data from {source!r}: {' '.join(str(error).split())[:500]}") from error
+        raise ConfigError(f"could not load data from {source!r}: {_reason(error, args)}") from error
     if "train" not in raw:
         raise ConfigError(f"{args.dataset_name!r} has no 'train' split; its splits: {', '.join(raw)}")
     raw = datasets.DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
@@ -220,6 +221,17 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
     if len(raw["train"]) == 0:
         raise ConfigError(f"no training examples in {args.dataset_name or args.train_file!r}")
     return raw
+
+
+def _reason(error: Exception, args: TrainJobArguments) -> str:
+    """What went wrong loading the data, in words; an empty file often raises with no message at all."""
+    said = " ".join(str(error).split())[:500]
+    if said:
+        return said
+    empty = [path for path in args.data_files().values() if os.path.isfile(path) and os.path.getsize(path) == 0]
+    if empty:
+        return f"{', '.join(repr(p) for p in empty)} is empty (0 bytes): give a file with at least one row"
+    return f"{type(error).__name__} with no message (is the data empty, or not in the format its name says?)"
 
 
 def resolve_columns(args: TrainJobArguments, raw: datasets.DatasetDict) -> tuple[str, str | None]:

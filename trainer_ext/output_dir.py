@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
 
-from . import run_lock
+from . import disk_space, run_lock
 from .arguments import TrainJobArguments
 from .checkpointing.marker import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
@@ -156,7 +156,26 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
             for name in RUN_FOLDERS:
                 shutil.rmtree(out / name, ignore_errors=True)
         tmp = out / f".{RUN_FILE}.tmp"
-        tmp.write_text(
-            json.dumps({"trainer_ext_run": 1, "job": args.fingerprint()}, indent=2) + "\n", encoding="utf-8"
-        )
-        os.replace(tmp, out / RUN_FILE)
+        try:
+            tmp.write_text(
+                json.dumps({"trainer_ext_run": 1, "job": args.fingerprint()}, indent=2) + "\n", encoding="utf-8"
+            )
+            os.replace(tmp, out / RUN_FILE)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            if disk_space.is_disk_full(error):
+                raise disk_space.save_failed(out / RUN_FILE, error, None, None) from None
+            raise
+
+
+def check_space(args: TrainJobArguments, trainer: Any) -> None:
+    """Refuse to start, before anything is written, when output_dir cannot hold the final model and, if the job
+    saves checkpoints, one checkpoint (rotation frees older ones only after the next is complete)."""
+    if not trainer.is_world_process_zero() or trainer.model is None:
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    needed = disk_space.checkpoint_bytes(model, optimizer_states=0)  # the final model
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        needed += disk_space.checkpoint_bytes(model)
+    what = "the final model and a checkpoint" if needed > disk_space.checkpoint_bytes(model, 0) else "the model"
+    disk_space.check_room(args.output_dir, needed, what)

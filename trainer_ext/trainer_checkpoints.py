@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+from . import disk_space
 from .callbacks.duties import DutyCallbackHandler
 from .checkpointing import marker, together
 from .checkpointing import sharded as sharded_checkpoint
@@ -116,9 +118,12 @@ class CheckpointingMixin:
                     "True (or 'true', 'latest') for the newest complete checkpoint in output_dir, or 'auto' "
                     "(that one if any, else start fresh)"
                 )
+            # in a run saved by trainer_ext (a sibling has a marker) a folder without one is a save that did not
+            # finish, or whose marker was lost; only a plain transformers run's checkpoint goes without
+            ours = any(marker.has_marker(p) for p in marker.sorted_checkpoints(Path(path).parent))
             try:
                 found = together.verify_together(
-                    path, require_marker=False, part=self._verify_part(), kind=marker.TRAINER
+                    path, require_marker=ours, part=self._verify_part(), kind=marker.TRAINER
                 )
             except marker.CheckpointError as error:
                 raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
@@ -202,26 +207,46 @@ class CheckpointingMixin:
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
+            marker.flush_tree(folder)  # this rank's data reaches the disk before the marker can
+        except Exception as error:  # torch, safetensors and the OS each say "disk full" with their own error type
+            self._raise_if_disk_full(error, folder)
+            raise
         finally:
             self.args.save_total_limit = given
-        marker.flush_tree(folder)  # this rank's data reaches the disk before the marker can
         _barrier(self)  # every rank's files are written
         crcs = together.own_checksums(folder)  # each rank reads back the per-rank files it wrote
         if self.args.should_save:
-            marker.write_marker(
-                folder,
-                world_size=self.args.world_size,
-                step=self.state.global_step,
-                strategy=self.accelerator.strategy.name,
-                crcs=crcs,
-                kind=marker.TRAINER,
-                **self._batch_facts(),
-            )
+            try:
+                marker.write_marker(
+                    folder,
+                    world_size=self.args.world_size,
+                    step=self.state.global_step,
+                    strategy=self.accelerator.strategy.name,
+                    crcs=crcs,
+                    kind=marker.TRAINER,
+                    **self._batch_facts(),
+                )
+            except OSError as error:
+                self._raise_if_disk_full(error, folder)
+                raise
             marker.end_save(folder)
             removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
             for path in removed:
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
         _barrier(self)
+
+    def _raise_if_disk_full(self, error: BaseException, folder: Path) -> None:
+        """A save that ran out of space: remove what it wrote (it has no marker) and say so in one clear error,
+        naming the checkpoint that is still intact, instead of torch's ``basic_ios::clear: iostream error``."""
+        if not disk_space.is_disk_full(error):
+            return
+        if self.args.should_save:
+            marker.remove_marker(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        intact = [p for p in marker.sorted_checkpoints(folder.parent) if marker.is_complete(p)]
+        needed = disk_space.checkpoint_bytes(self.accelerator.unwrap_model(self.model)) if self.model else None
+        kept = intact[-1].name if intact else None
+        raise disk_space.save_failed(folder, error, needed, kept) from None
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's loader; with ``save_on_preemption`` its workers leave SIGTERM/SIGUSR1 to the trainer."""

@@ -115,7 +115,7 @@ def test_a_folder_holding_only_a_marker_is_not_a_checkpoint(run_dir: Path, caplo
     body = {"trainer_ext_checkpoint": 1, "world_size": 1, "files": {"notes.txt": 1}, "crc32": {"notes.txt": crc}}
     (fake / COMPLETE).write_text(json.dumps(seal(body)))
     assert read_marker(fake)["files"] == {"notes.txt": 1}  # a whole marker ...
-    with pytest.raises(ConfigError, match="holds no trainer_state.json and no the model's weights"):
+    with pytest.raises(ConfigError, match="is missing trainer_state.json and the model's weights"):
         _trainer(run_dir).resolve_resume(str(fake))  # ... of a folder that is no Trainer checkpoint
     assert _trainer(run_dir).resolve_resume(True) == str(run_dir / "checkpoint-4")
 

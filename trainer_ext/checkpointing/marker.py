@@ -275,7 +275,7 @@ def check_marker(data: Any) -> dict[str, Any]:
     CheckpointError naming the first thing wrong otherwise (a truncated, emptied, retyped or edited marker).
     """
     if not isinstance(data, dict):
-        raise CheckpointError(f"{COMPLETE} is damaged (a {type(data).__name__}, not a marker)")
+        raise CheckpointError(f"{COMPLETE} is damaged (it holds {json.dumps(data)[:40]}, not a marker)")
     problems = []
     if data.get(MARKER_FORMAT) != 1:
         problems.append(f"no {MARKER_FORMAT}: 1")
@@ -400,7 +400,10 @@ def check_deepspeed_latest(path: Path) -> None:
             f"{path.name} has {size} bytes, more than a DeepSpeed tag name ({_LATEST_MAX} at most): it is corrupted "
             "or crafted; pick another checkpoint"
         )
-    tag = path.read_text(encoding="utf-8").strip()
+    try:
+        tag = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path.name} is corrupted (not a tag name: {error})") from error
     target = path.parent / tag
     if (
         not tag
@@ -469,13 +472,13 @@ def check_contents(directory: str | os.PathLike, kind: str | None) -> None:
     if kind == TRAINER:
         missing = [] if (src / TRAINER_STATE).is_file() else [TRAINER_STATE]
         if not any((src / name).is_file() for name in WEIGHTS):
-            missing.append("the model's weights (" + ", ".join(WEIGHTS[:3]) + " ...)")
+            missing.append("the model's weights (none of " + ", ".join(WEIGHTS) + ")")
     elif kind == LOOP:
         missing = [] if (src / LOOP_STATE).is_file() else [LOOP_STATE]
     else:
         return
     if missing:
-        raise CheckpointError(f"holds no {' and no '.join(missing)}: not a whole {kind} checkpoint")
+        raise CheckpointError(f"is missing {' and '.join(missing)}: not a whole {kind} checkpoint")
 
 
 def verify(

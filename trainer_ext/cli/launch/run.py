@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ... import env_vars
 
@@ -39,6 +40,44 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def describe_failures(failures: Mapping[int, Any]) -> list[str]:
+    """One line per failed rank, the one that failed first named as such and told apart from those the launcher
+    stopped because of it (torchrun ends the others with SIGTERM once one fails).
+
+    ``failures``: rank -> torchrun's ProcessFailure (``exitcode`` negative for a signal, ``timestamp``, ``pid``).
+    """
+    stopped_by_us = -int(signal.SIGTERM)
+    order = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode == stopped_by_us, item[0]))
+    first_rank, first = order[0]
+    lines = []
+    for rank, failure in order:
+        who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+        code = failure.exitcode
+        if rank == first_rank:
+            if code >= 0:
+                how = f"ended with exit code {code}; its own error is printed above"
+            else:
+                how = (
+                    f"was killed by {_signal_name(-code)} from outside the job (the out-of-memory killer, a "
+                    "scheduler, or kill); it printed nothing, so look at the system log (dmesg) and the scheduler's"
+                )
+            lines.append(f"{who} failed first: {how}")
+        elif code == stopped_by_us:
+            lines.append(f"{who} was stopped by the launcher after rank {first_rank} failed")
+        elif code >= 0:
+            lines.append(f"{who} then ended with exit code {code}")
+        else:
+            lines.append(f"{who} then died of {_signal_name(-code)}")
+    return lines
+
+
 def run_torchrun(torchrun_args: Sequence[str]) -> int:
     """``torch.distributed.run`` with these arguments, in this process; the exit code of the first failure."""
     import torch.distributed as dist
@@ -51,16 +90,11 @@ def run_torchrun(torchrun_args: Sequence[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as error:
-        failures = sorted(error.failures.items())
-        for rank, failure in failures:
-            if failure.exitcode >= 0:
-                how = f"ended with exit code {failure.exitcode}; its own error is printed above"
-            else:
-                how = f"was stopped by signal {-failure.exitcode} (after another rank failed, or from outside)"
-            print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}", file=sys.stderr)
+        for index, line in enumerate(describe_failures(error.failures)):
+            print(f"error: {line}" if index == 0 else f"  {line}", file=sys.stderr)  # one error line: the cause
         # the code of a rank that ended by itself (e.g. 75 after a preemption save), not of the ranks torchrun
         # stopped afterwards: those only say another one ended first
-        ended = sorted((f.timestamp, f.exitcode) for _, f in failures if f.exitcode > 0)
+        ended = sorted((f.timestamp, f.exitcode) for f in error.failures.values() if f.exitcode > 0)
         return ended[0][1] if ended else 1
     except (RendezvousError, dist.DistStoreError, TimeoutError) as error:
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
