@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.checkpointing.fault_jobs import Lines
 from tests.helpers.jobs import make_args
 from tests.helpers.paths import CONFIGS
 from tests.helpers.tiny import lm_dataset, tiny_llama
@@ -141,17 +142,6 @@ def prepare(run: Path, out: Path, name: str, how: str) -> None:
         outside = out / "outside"
         outside.mkdir()
         damages_for(name)[how](out / DAMAGED / name, outside)
-
-
-class Lines(logging.Handler):
-    """Keeps the resume warnings."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _ask(make: Callable[[], Trainer], value: Any) -> tuple[str | None, str | None, list[str]]:

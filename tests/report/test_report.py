@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -97,6 +98,7 @@ def resumed_run(tmp_path_factory) -> Path:
     )
     assert killed.returncode == 3, killed.stderr[-3000:]
     assert (out / "report" / "report.html").is_file()  # written at a checkpoint, before the kill
+    shutil.copy(out / "report" / "report.html", out.parent / "checkpoint_report.html")  # the resume rewrites it
     assert not (out / "trainer_state.json").exists()
     resumed = cli("train", *flags, "--resume_from_checkpoint", "true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -169,6 +171,15 @@ def test_a_resumed_run_is_one_curve_with_the_resume_marked(resumed_run: Path) ->
     assert "over 2 sessions (1 resume)" in rows["wall time"]
     page = (resumed_run / "report" / "report.html").read_text(encoding="utf-8")
     assert "resumed from checkpoint-10" in page and "2 steps trained again" in page
+
+
+@pytest.mark.slow
+def test_the_report_at_a_checkpoint_says_the_run_is_training(resumed_run: Path) -> None:
+    """Written by the training process itself, at checkpoint-10: the run is in progress, not 'interrupted'."""
+    page = (resumed_run.parent / "checkpoint_report.html").read_text(encoding="utf-8")
+    assert re.search(r"still training, at step \d+ of 20 \(partial report\)", page), page
+    assert "The run is still training: this is a partial report." in page
+    assert "crash or kill" not in page
 
 
 @pytest.mark.slow

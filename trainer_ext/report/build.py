@@ -20,9 +20,7 @@ DEFAULT_SMOOTHING = 0.6
 def matplotlib_missing() -> str | None:
     """None when matplotlib imports, else the one-line message saying how to install it."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)  # headless; a caller's interactive backend is left alone
+        import matplotlib  # noqa: F401  (the figures draw on FigureCanvasAgg directly: no backend is selected)
     except ImportError:
         return f"the report's figures need matplotlib, which is not installed: {INSTALL}"
     return None
@@ -40,11 +38,15 @@ def write_report(
     allow_running: bool = False,
     smoothing: float = DEFAULT_SMOOTHING,
     require_figures: bool = True,
+    this_one_trains: bool = False,
 ) -> Path:
     """Write the figures and ``report.html`` for ``run_dirs`` into ``out_dir``; return the page's path.
 
     ConfigError on bad input (not a run, an empty log, a run still training unless ``allow_running``) and, with
-    ``require_figures``, when matplotlib is missing; without it the page then holds the tables only.
+    ``require_figures``, when matplotlib is missing; without it the page then holds the tables only. A folder that
+    cannot be written (permissions, a full disk) is a ConfigError too. ``this_one_trains``: called by the training
+    process itself (its report at a checkpoint), whose run is in progress. matplotlib's backend and rcParams are
+    left as they were.
     """
     if not run_dirs:
         raise ConfigError("no run folder given")
@@ -53,7 +55,7 @@ def write_report(
     missing = matplotlib_missing()
     if missing and require_figures:
         raise ConfigError(missing)
-    runs = load_runs(list(run_dirs), allow_running=allow_running)
+    runs = load_runs(list(run_dirs), allow_running=allow_running, this_one_trains=this_one_trains)
     out = Path(out_dir) if out_dir is not None else default_out(list(run_dirs))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a file; pass a folder")
@@ -61,20 +63,23 @@ def write_report(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from error
-    figures = []
-    if not missing:
-        from .figures import FIGURE_NAMES, draw_all
-
-        figures = draw_all(runs, out, smoothing)
-        for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
-            (out / f"{stale}.png").unlink(missing_ok=True)
     from .page import render
 
     note = f"No figures: {missing}." if missing else None
     if any(run.status == "running" for run in runs):
         note = ((note + " ") if note else "") + "The run is still training: this is a partial report."
     page = out / PAGE
-    tmp = out / f".{PAGE}.tmp"
-    tmp.write_text(render(runs, figures, note), encoding="utf-8")
-    os.replace(tmp, page)  # a reader never sees half a page
+    try:
+        figures = []
+        if not missing:
+            from .figures import FIGURE_NAMES, draw_all
+
+            figures = draw_all(runs, out, smoothing)
+            for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
+                (out / f"{stale}.png").unlink(missing_ok=True)
+        tmp = out / f".{PAGE}.tmp"
+        tmp.write_text(render(runs, figures, note), encoding="utf-8")
+        os.replace(tmp, page)  # a reader never sees half a page
+    except OSError as error:
+        raise ConfigError(f"cannot write the report into --out {str(out)!r}: {error.strerror or error}") from error
     return page

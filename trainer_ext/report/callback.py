@@ -40,6 +40,8 @@ class ReportCallback(TrainerCallback):
         self._last_write = time.perf_counter()  # at the end of the last report (or the start of training)
         self._write_seconds = FIRST_ESTIMATE
         self._warned = False
+        self._warned_events = False
+        self._warned_figures = False
         self.written: list[Path] = []  # the reports written so far (for tests and the log)
 
     @property
@@ -53,12 +55,15 @@ class ReportCallback(TrainerCallback):
         self._last_write = time.perf_counter()
         resumed = state.global_step > 0
         if not resumed:
-            start_fresh(args.output_dir)
+            try:
+                start_fresh(args.output_dir)
+            except OSError as error:
+                self._event_failed(args.output_dir, error)
         trainer = self._trainer()
         engine = getattr(trainer, "accelerator", None)
         strategy = getattr(getattr(engine, "strategy", None), "name", None)
         per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        append_event(
+        self._event(
             args.output_dir,
             "start",
             step=state.global_step,
@@ -71,6 +76,8 @@ class ReportCallback(TrainerCallback):
             accumulation=accumulation,
             global_batch=args.world_size * per_device * accumulation,
             argv=list(sys.argv),
+            metric_for_best_model=getattr(args, "metric_for_best_model", None),
+            greater_is_better=getattr(args, "greater_is_better", None),
             **this_process(),
         )
 
@@ -85,19 +92,36 @@ class ReportCallback(TrainerCallback):
                 self._tokens += window["tokens"]
                 add_to_log(state, logs, {"tokens_seen": int(self._tokens)})
         if state.is_world_process_zero:
-            append_event(args.output_dir, "log", step=state.global_step)
+            self._event(args.output_dir, "log", step=state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        append_event(args.output_dir, "save", step=state.global_step, checkpoint=f"checkpoint-{state.global_step}")
+        self._event(args.output_dir, "save", step=state.global_step, checkpoint=f"checkpoint-{state.global_step}")
         if time.perf_counter() - self._last_write >= REFRESH_RATIO * self._write_seconds:
             self._write(partial=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             status = "finished" if state.global_step >= state.max_steps else "stopped"
-            append_event(args.output_dir, "end", step=state.global_step, status=status)
+            self._event(args.output_dir, "end", step=state.global_step, status=status)
+
+    def _event(self, output_dir: Any, kind: str, **fields: Any) -> None:
+        """Append to the event log; a failed write (a full disk) warns once and training goes on."""
+        try:
+            append_event(output_dir, kind, **fields)
+        except (OSError, TypeError, ValueError) as error:
+            self._event_failed(output_dir, error)
+
+    def _event_failed(self, output_dir: Any, error: Exception) -> None:
+        if not self._warned_events:  # once: a full disk fails every write after the first
+            logger.warning(
+                "report_plots: the event log in %s could not be written (%s); training goes on, the report "
+                "will lack resumes and wall-clock times",
+                output_dir,
+                error,
+            )
+            self._warned_events = True
 
     def finish(self) -> Path | None:
         """Write the full report (after the final evaluation and ``trainer_state.json``); main process only."""
@@ -107,12 +131,20 @@ class ReportCallback(TrainerCallback):
         return self._write(partial=False)
 
     def _write(self, *, partial: bool) -> Path | None:
-        from .build import write_report
+        from .build import matplotlib_missing, write_report
 
         began = time.perf_counter()
+        missing = matplotlib_missing()
+        if missing and not self._warned_figures:
+            logger.warning("report_plots: %s; the report holds its tables only", missing)
+            self._warned_figures = True
         try:
             page = write_report(
-                [self.output_dir], self.output_dir / REPORT_DIR, allow_running=partial, require_figures=False
+                [self.output_dir],
+                self.output_dir / REPORT_DIR,
+                allow_running=partial,
+                require_figures=False,
+                this_one_trains=partial,
             )
         except Exception as error:  # a report must never cost the run: say why and carry on
             if not self._warned:

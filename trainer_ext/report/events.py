@@ -9,6 +9,7 @@ mark resumes, restarts and wall-clock time. A plain ``trainer_ext.Trainer`` neve
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -46,9 +47,38 @@ def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and "event" in event:
+        event = _clean(event)
+        if event is not None:
             events.append(event)
     return events
+
+
+# the typed fields of an event; a field of another type (a hand-edited or foreign log) is dropped, not trusted
+_INT_FIELDS = ("step", "pid", "max_steps", "world_size", "per_device_batch", "accumulation", "global_batch")
+_STR_FIELDS = ("event", "host", "strategy", "precision", "status", "checkpoint", "metric_for_best_model")
+_BOOL_FIELDS = ("resumed", "greater_is_better")
+
+
+def _clean(event: Any) -> dict[str, Any] | None:
+    """``event`` with its malformed fields dropped, or None when it is not an event (no kind, no valid time)."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return None
+    when = event.get("time")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        return None
+    out = dict(event)
+    for name in _INT_FIELDS:
+        if name in out and (type(out[name]) is not int or out[name] < 0):
+            del out[name]
+    for name in _STR_FIELDS:
+        if name in out and not isinstance(out[name], str):
+            del out[name]
+    for name in _BOOL_FIELDS:
+        if name in out and not isinstance(out[name], bool):
+            del out[name]
+    if "argv" in out and not (isinstance(out["argv"], list) and all(isinstance(w, str) for w in out["argv"])):
+        del out["argv"]
+    return out
 
 
 def this_process() -> dict[str, Any]:
@@ -56,13 +86,19 @@ def this_process() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def process_alive(event: dict[str, Any]) -> bool | None:
-    """Whether the process that wrote ``event`` still runs: True/False on this host, None on another host."""
+def process_alive(event: dict[str, Any], *, this_one_trains: bool = False) -> bool | None:
+    """Whether the process that wrote ``event`` still runs: True/False on this host, None on another host.
+
+    ``this_one_trains``: the caller is the training process itself (the report written at a checkpoint), so an
+    event written by this very process is a run in progress; otherwise a process reporting on itself is not training.
+    """
     if event.get("host") != socket.gethostname():
         return None
     pid = event.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid():  # this process is not training while it reports
+    if not isinstance(pid, int):
         return False
+    if pid == os.getpid():
+        return this_one_trains
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

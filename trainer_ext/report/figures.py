@@ -62,7 +62,7 @@ def _new(rows: int = 1, height: float | None = None) -> tuple[Any, Any]:
 def _save(fig: Any, out: Path, figure: Figure) -> Figure:
     fig.tight_layout()
     figure.path = out / f"{figure.name}.png"
-    fig.savefig(figure.path, format="png", dpi=DPI)
+    fig.savefig(figure.path, format="png", dpi=DPI, facecolor="white")  # rcParams are the caller's: not changed
     return figure
 
 
@@ -336,9 +336,6 @@ def timeline_figure(runs: list[RunData], out: Path) -> Figure | None:
 
 def draw_all(runs: list[RunData], out: Path, smoothing: float) -> list[Figure]:
     """Every figure that has data, in page order."""
-    import matplotlib
-
-    matplotlib.rcParams["savefig.facecolor"] = "white"
     figures = [
         loss_figure(runs, out, smoothing),
         loss_figure(runs, out, smoothing, by_tokens=True),

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checkpointing import marker as markers
 from ..errors import ConfigError
 from .events import EVENTS_FILE, process_alive, read_events, seconds_since
 
 STATE_FILE = "trainer_state.json"
 JOB_FILE = "trainer_ext_run.json"
-MARKER = "COMPLETE"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # another host's run counts as still training while its last event is younger than this
 QUIET_SECONDS = 15 * 60
 TOKEN_KEYS = ("num_input_tokens_seen", "tokens_seen")
@@ -152,9 +150,11 @@ class RunData:
         """Time spent in all segments (gaps between them left out); from train_runtime when there are no events."""
         if self.segments:
             return sum(s.seconds for s in self.segments)
-        runtime = self.results.get("train_runtime") or next(
-            (e["train_runtime"] for e in reversed(self.history) if "train_runtime" in e), None
-        )
+        runtime = self.results.get("train_runtime")
+        if not _finite(runtime):
+            runtime = next(
+                (e["train_runtime"] for e in reversed(self.history) if _finite(e.get("train_runtime"))), None
+            )
         return float(runtime) if runtime is not None else None
 
     def first_start(self) -> dict[str, Any]:
@@ -210,15 +210,46 @@ def _optional_json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _marker_of(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint's marker when it is valid and the files it lists are all there at their sizes, else None.
+
+    Sizes only (a stat per file): the checksums are for resume's :func:`~trainer_ext.checkpointing.marker.verify`,
+    too slow for a report written at every checkpoint.
+    """
+    try:
+        body = markers.read_marker(folder)
+    except (markers.CheckpointError, OSError):
+        return None
+    if body is None:
+        return None
+    for name, size in body["files"].items():
+        path = folder / name
+        try:
+            if not path.is_file() or path.stat().st_size != size:
+                return None
+        except (OSError, ValueError):
+            return None
+    return body
+
+
 def list_checkpoints(run_dir: Path, events: list[dict[str, Any]]) -> list[Checkpoint]:
-    """The checkpoint-N folders (complete or not) and those the events say were saved and later rotated away."""
+    """The checkpoint-N folders (complete or not) and those the events say were saved and later rotated away.
+
+    Complete as resume judges it (:mod:`trainer_ext.checkpointing.marker`): a valid marker whose files are there; a
+    folder without one counts only in a plain transformers run (no checkpoint of the run has a marker) that holds
+    its trainer_state.json. A damaged marker, or a save that died (``.trainer_ext_saving`` left), is not complete.
+    """
     found: dict[int, Checkpoint] = {}
-    for child in run_dir.iterdir() if run_dir.is_dir() else ():
-        match = _CHECKPOINT.match(child.name)
-        if match and child.is_dir():
-            marker = _optional_json(child / MARKER) if (child / MARKER).is_file() else {}
-            complete = (child / MARKER).is_file() or (child / STATE_FILE).is_file()
-            found[int(match.group(1))] = Checkpoint(int(match.group(1)), child, complete, marker)
+    folders = markers.sorted_checkpoints(run_dir)
+    ours = any(markers.has_marker(folder) for folder in folders)
+    for folder in folders:
+        step = int(folder.name.rsplit("-", 1)[1])
+        body = _marker_of(folder)
+        if body is not None:
+            found[step] = Checkpoint(step, folder, True, body)
+            continue
+        plain = not ours and not (folder / markers.SAVING).exists() and (folder / STATE_FILE).is_file()
+        found[step] = Checkpoint(step, folder, plain)
     for event in events:
         if event["event"] == "save" and isinstance(event.get("step"), int):
             step = event["step"]
@@ -244,12 +275,15 @@ def _pick_state(run_dir: Path, checkpoints: list[Checkpoint]) -> Path | None:
     return best or next((p for p in candidates if p.is_file()), None)
 
 
-def segments_of(events: list[dict[str, Any]]) -> list[Segment]:
-    """Split the events at each start; each segment ends at its 'end' event or its last event (interrupted)."""
+def segments_of(events: list[dict[str, Any]], *, this_one_trains: bool = False) -> list[Segment]:
+    """Split the events at each start; each segment ends at its 'end' event or its last event (interrupted).
+
+    ``this_one_trains``: the caller is the training process (a report at a checkpoint): its own segment is running.
+    """
     segments: list[Segment] = []
     current: Segment | None = None
     for event in events:
-        kind, when = event["event"], float(event.get("time", 0.0))
+        kind, when = event["event"], float(event["time"])
         step = event.get("step") if isinstance(event.get("step"), int) else None
         if kind == "start":
             if current is not None:
@@ -263,23 +297,71 @@ def segments_of(events: list[dict[str, Any]]) -> list[Segment]:
         if step is not None:
             current.last_step = max(current.last_step, step)
         if kind == "end":
-            current.status = event.get("status", "finished")
+            status = event.get("status", "finished")
+            current.status = status if status in ("finished", "stopped") else "finished"
     if current is not None:
         segments.append(current)
-    if segments and segments[-1].status == "interrupted" and _still_running(segments[-1], events):
+    if segments and segments[-1].status == "interrupted" and _still_running(segments[-1], events, this_one_trains):
         segments[-1].status = "running"
     return segments
 
 
-def _still_running(segment: Segment, events: list[dict[str, Any]]) -> bool:
-    alive = process_alive(segment.info)
+def _still_running(segment: Segment, events: list[dict[str, Any]], this_one_trains: bool) -> bool:
+    alive = process_alive(segment.info, this_one_trains=this_one_trains)
     if alive is None:  # another host: judge by the last sign of life
         return seconds_since(events[-1]) < QUIET_SECONDS
     return alive
 
 
-def load_run(path: str | Path, *, allow_running: bool = False, label: str | None = None) -> RunData:
-    """Read one run folder; ConfigError (one line) when it is not a run, has logged nothing, or is still training."""
+def _step(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _clean_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The trainer state with malformed log entries and fields dropped (a hand-edited or foreign file)."""
+    history = state.get("log_history")
+    entries = [e for e in history if isinstance(e, dict)] if isinstance(history, list) else []
+    # an entry with a step that is no count (a string, null) is skipped; one without a step is kept (no curve uses it)
+    state["log_history"] = [e for e in entries if "step" not in e or _step(e["step"])]
+    for name in ("global_step", "max_steps"):
+        if name in state and not _step(state[name]):
+            del state[name]
+    if "global_step" not in state:
+        state["global_step"] = max((e["step"] for e in state["log_history"] if "step" in e), default=0)
+    if "epoch" in state and not _finite(state["epoch"]):
+        del state["epoch"]
+    for name in ("best_model_checkpoint",):
+        if name in state and not isinstance(state[name], str):
+            del state[name]
+    return state
+
+
+# the job's fields the report shows as text
+JOB_TEXT = (
+    "model_name_or_path",
+    "model_config",
+    "dataset_name",
+    "dataset_config_name",
+    "train_file",
+    "validation_file",
+    "task",
+    "metric_for_best_model",
+)
+
+
+def _clean_job(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, dict) or not value:
+        return None
+    return {k: v for k, v in value.items() if isinstance(k, str) and (k not in JOB_TEXT or isinstance(v, str))}
+
+
+def load_run(
+    path: str | Path, *, allow_running: bool = False, label: str | None = None, this_one_trains: bool = False
+) -> RunData:
+    """Read one run folder; ConfigError (one line) when it is not a run, has logged nothing, or is still training.
+
+    ``this_one_trains``: called from the training process itself (the report at a checkpoint), which is running.
+    """
     run_dir = Path(path)
     if not run_dir.exists():
         raise ConfigError(f"{str(path)!r}: no such folder. Pass the --output_dir of a training run")
@@ -287,7 +369,7 @@ def load_run(path: str | Path, *, allow_running: bool = False, label: str | None
         raise ConfigError(f"{str(path)!r} is a file, not a run folder. Pass the --output_dir of a training run")
     events = read_events(run_dir)
     checkpoints = list_checkpoints(run_dir, events)
-    segments = segments_of(events)
+    segments = segments_of(events, this_one_trains=this_one_trains)
     if segments and segments[-1].status == "running" and not allow_running:
         start = segments[-1].info
         raise ConfigError(
@@ -309,14 +391,13 @@ def load_run(path: str | Path, *, allow_running: bool = False, label: str | None
     state = _read_json(state_file)
     if not isinstance(state, dict):
         raise ConfigError(f"{state_file} is not a trainer state (expected a JSON object)")
-    history = state.get("log_history")
-    if not isinstance(history, list) or not any(isinstance(e, dict) and "step" in e for e in history):
+    state = _clean_state(state)
+    if not any("step" in e for e in state["log_history"]):
         raise ConfigError(
             f"{state_file} has an empty log (log_history holds no logged step): nothing to plot. "
             "Log more often (--logging_steps) or train longer"
         )
-    state["log_history"] = [e for e in history if isinstance(e, dict)]
-    job = _optional_json(run_dir / JOB_FILE).get("job") or None
+    job = _clean_job(_optional_json(run_dir / JOB_FILE).get("job"))
     status = segments[-1].status if segments else ("finished" if (run_dir / STATE_FILE).is_file() else "unknown")
     run = RunData(
         path=run_dir,
@@ -333,9 +414,9 @@ def load_run(path: str | Path, *, allow_running: bool = False, label: str | None
     return run
 
 
-def load_runs(paths: list[str | Path], *, allow_running: bool = False) -> list[RunData]:
+def load_runs(paths: list[str | Path], *, allow_running: bool = False, this_one_trains: bool = False) -> list[RunData]:
     """Read several run folders, labelled by folder name (with the parent's name added where two names clash)."""
-    runs = [load_run(p, allow_running=allow_running) for p in paths]
+    runs = [load_run(p, allow_running=allow_running, this_one_trains=this_one_trains) for p in paths]
     names = [r.label for r in runs]
     for run in runs:
         if names.count(run.label) > 1:

@@ -6,10 +6,10 @@ import json
 import os
 import shlex
 import statistics
-import struct
 from pathlib import Path
 from typing import Any
 
+from ..checkpointing import marker as markers
 from .run import EVAL_SPEED, RunData
 
 # metrics where higher is better; any other is taken as lower-is-better (losses, perplexity)
@@ -36,28 +36,59 @@ def number(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def higher_is_better(name: str) -> bool:
+def higher_is_better(name: str, run: RunData | None = None) -> bool:
+    """The run's own rule for its ``metric_for_best_model`` (``greater_is_better``, else transformers' default:
+    higher unless the name ends in ``loss``) when recorded; otherwise judged by the metric's name."""
+    chosen, greater = best_model_rule(run) if run is not None else (None, None)
+    if chosen is not None and name == chosen:
+        return greater if greater is not None else not chosen.endswith("loss")
     return any(word in name for word in HIGHER_IS_BETTER) and "loss" not in name
 
 
-def _params(path: Path) -> int | None:
-    """Parameter count from a safetensors header (8-byte length, then JSON): no tensor is read."""
-    try:
-        with open(path, "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            if size > 100_000_000:
-                return None
-            header = json.loads(handle.read(size))
-    except (OSError, ValueError, struct.error):
-        return None
+def best_model_rule(run: RunData) -> tuple[str | None, bool | None]:
+    """(eval metric name, greater_is_better) from the run's recorded arguments: the start event, the job, or
+    ``training_args`` in trainer_state.json; (None, None) when none records ``metric_for_best_model``."""
+    sources = [run.last_start(), run.job or {}, run.state.get("training_args") or {}, run.state.get("args") or {}]
+    for source in sources:
+        if not isinstance(source, dict):
+            continue
+        metric = source.get("metric_for_best_model")
+        if isinstance(metric, str) and metric:
+            greater = source.get("greater_is_better")
+            name = metric if metric.startswith("eval_") or metric == "loss" else f"eval_{metric}"
+            return name, greater if isinstance(greater, bool) else None
+    return None, None
+
+
+def _safetensors_params(path: Path) -> int:
+    """Parameters in one safetensors file, from its header (read by safetensors; no tensor is loaded)."""
     total = 0
-    for name, info in header.items():
-        if name != "__metadata__" and isinstance(info, dict):
+    for name, info in markers.check_safetensors(path).items():
+        if name != "__metadata__":
             count = 1
-            for dim in info.get("shape", []):
+            for dim in info["shape"]:
                 count *= dim
             total += count
     return total
+
+
+def _params(folder: Path) -> tuple[int, bool] | None:
+    """(parameter count, is an adapter) of the model saved in ``folder``: one safetensors file, or the shards a
+    ``model.safetensors.index.json`` names (their headers summed); None when there is none or it cannot be read."""
+    try:
+        for name, adapter in (("model.safetensors", False), ("adapter_model.safetensors", True)):
+            if (folder / name).is_file():
+                return _safetensors_params(folder / name), adapter
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
+            if not shards or any(Path(shard).name != shard for shard in shards):
+                return None
+            return sum(_safetensors_params(folder / shard) for shard in shards), False
+    except (markers.CheckpointError, OSError, ValueError, AttributeError, TypeError):
+        return None
+    return None
 
 
 def model_text(run: RunData) -> str:
@@ -70,18 +101,18 @@ def model_text(run: RunData) -> str:
         if (folder / "config.json").is_file():
             try:
                 config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-            except ValueError:
+            except (OSError, ValueError):
                 config = {}
             break
+    config = config if isinstance(config, dict) else {}
     parts = [name] if name else []
-    kind = (config.get("architectures") or [config.get("model_type")])[0] if config else None
-    if kind:
-        parts.append(str(kind))
-    for file in ("model.safetensors", "adapter_model.safetensors"):
-        count = _params(run.path / file)
-        if count:
-            parts.append(f"{count / 1e6:.2f} M parameters" + (" (adapter)" if file.startswith("adapter") else ""))
-            break
+    architectures = config.get("architectures")
+    kind = architectures[0] if isinstance(architectures, list) and architectures else config.get("model_type")
+    if isinstance(kind, str) and kind:
+        parts.append(kind)
+    found = _params(run.path)
+    if found and found[0]:
+        parts.append(f"{found[0] / 1e6:.2f} M parameters" + (" (adapter)" if found[1] else ""))
     return ", ".join(parts) or "unknown (no trainer_ext_run.json or config.json)"
 
 
@@ -107,6 +138,12 @@ def _setup(run: RunData) -> dict[str, Any]:
     """World size, strategy, precision, batch: from the last start event, else the newest checkpoint's marker."""
     start = run.last_start()
     marker = next((c.marker for c in reversed(run.checkpoints) if c.marker), {})
+    marker = {
+        k: v
+        for k, v in marker.items()
+        if k not in ("world_size", "global_batch_size", "micro_batch_size") or (type(v) is int and v > 0)
+    }
+    marker["strategy"] = marker.get("strategy") if isinstance(marker.get("strategy"), str) else None
     return {
         "world_size": start.get("world_size") or marker.get("world_size"),
         "strategy": start.get("strategy") or marker.get("strategy"),
@@ -145,7 +182,7 @@ def best_metrics(run: RunData) -> dict[str, tuple[int, float]]:
     for name in ["loss", *run.eval_metric_names()]:
         steps, values = run.series(name) if name == "loss" else run.eval_series(name)
         if values:
-            pick = max if higher_is_better(name) else min
+            pick = max if higher_is_better(name, run) else min
             index = values.index(pick(values))
             out[name] = (steps[index], values[index])
     return out
@@ -201,7 +238,7 @@ def _train_command(argv: list[str], output_dir: Path) -> str | None:
 
 
 def resume_text(run: RunData) -> str:
-    complete = [c for c in run.checkpoints if c.path is not None and c.complete]
+    complete = [c for c in run.checkpoints if c.path is not None and c.complete]  # resume takes the newest
     if not complete:
         return "no complete checkpoint to resume from (save with --save_strategy steps --save_steps N)"
     command = _train_command(run.last_start().get("argv") or [], run.path.resolve())
