@@ -89,16 +89,21 @@ def _coerce_one(action: argparse.Action, value: Any, name: str, source: str) -> 
     return converted
 
 
-def _unknown_flag_error(extras: Sequence[str], parser: argparse.ArgumentParser) -> ConfigError:
-    """A ConfigError naming the first unknown flag (or stray word) and the closest valid flags."""
+def _unknown_flag_error(
+    extras: Sequence[str], parser: argparse.ArgumentParser, command: str = "train", more_flags: Sequence[str] = ()
+) -> ConfigError:
+    """A ConfigError naming the first unknown flag (or stray word) and the closest valid flags (the parser's and
+    ``more_flags``, those of a ``command`` that takes train's flags and its own)."""
     flags = [word for word in extras if word.startswith("-")]
     if not flags:
         return ConfigError(f"unexpected argument {extras[0]!r}; flags look like --name value")
     given = flags[0].split("=", 1)[0]
-    valid = sorted({s.lstrip("-").replace("-", "_") for a in parser._actions for s in a.option_strings})
+    valid = sorted(
+        {s.lstrip("-").replace("-", "_") for a in parser._actions for s in a.option_strings} | {*more_flags}
+    )
     matches = closest(given.lstrip("-").replace("-", "_"), valid)
     hint = " Did you mean " + " or ".join(f"--{m}" for m in matches) + "?" if matches else ""
-    return ConfigError(f"unknown flag {given}.{hint} (all flags: trainer-ext train --help)")
+    return ConfigError(f"unknown flag {given}.{hint} (all flags: trainer-ext {command} --help)")
 
 
 def parse_train_values(argv: Sequence[str]) -> tuple[dict[str, Any], list[str], argparse.ArgumentParser]:

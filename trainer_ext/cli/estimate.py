@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import env_vars
 from ..errors import ConfigError
-from ..values import format_size, parse_size
+from ..values import format_size
 
 WORKER = "trainer_ext.estimate.worker"
 
@@ -109,16 +109,17 @@ def run_estimate(argv: Sequence[str]) -> int:
     from ..estimate.breakdown import estimate
     from ..estimate.fit import largest_batch, remedies
     from ..estimate.job import job_from_argv
-    from ..estimate.report import format_breakdown, json_document, write_json
+    from ..estimate.report import check_writable, format_breakdown, json_document, write_json
+    from ..estimate.startup import device_memory_bytes
 
     parser = build_parser()
     options, train_argv = parser.parse_known_args(list(argv))
     if options.help:
         parser.print_help()
         return 0
-    limit = parse_size(options.device_memory, "--device_memory") if options.device_memory is not None else None
-    if limit is not None and limit <= 0:
-        raise ConfigError(f"--device_memory must be more than 0 bytes, got {options.device_memory!r}")
+    limit = device_memory_bytes(options.device_memory) if options.device_memory is not None else None
+    if options.json:
+        check_writable(options.json)  # before the estimate and a --measure run, not after
     started = time.perf_counter()
     job = job_from_argv(train_argv, options.num_processes)
     breakdown = estimate(job.shape, job.setup)

@@ -44,8 +44,9 @@ class Breakdown:
 def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float, float]:
     """(weights, gradients, optimizer, transient weights, offloaded) bytes per rank."""
     p, t, w = shape.params, shape.trainable, setup.shards
-    cb, ob = setup.compute_bytes, setup.optimizer_bytes
+    cb = setup.compute_bytes
     mixed = setup.precision in ("bf16", "fp16")
+    ob = optimizer_state(shape, setup) / max(t, 1)  # bytes per trainable parameter (Adafactor: far below 4)
     gathered = cb * (shape.outer_params + 2 * shape.layer_params)  # root unit + the running and the prefetched layer
     if setup.strategy == "fsdp":
         states = (4 * p / w, 4 * t / w, ob * t / w)
@@ -59,8 +60,12 @@ def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float
         md = 2 if mixed else 4  # DeepSpeed keeps the model itself in the training dtype, plus fp32 master partitions
         stage = setup.zero_stage
         model = md * p / w if stage >= 3 else md * p
-        # fp32 master partitions: a separate copy under bf16/fp16; under fp32 ZeRO-3 steps the partitions themselves
-        master = 4 * p / w if stage >= 1 and (mixed or stage < 3) else 0.0
+        # fp32 master weights: under bf16/fp16 a separate copy at every stage (ZeRO-0's BF16/FP16 optimizer keeps
+        # it whole, stages 1-3 partition it); under fp32, stages 1-2 keep partitions, ZeRO-3 steps the parameters
+        if mixed:
+            master = 4 * p / w if stage >= 1 else 4 * p
+        else:
+            master = 4 * p / w if 1 <= stage < 3 else 0.0
         grads = md * t if stage <= 1 else md * t / w
         optim = ob * t / w if stage >= 1 else ob * t
         offloaded = 0.0
@@ -74,6 +79,13 @@ def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float
         return model + master, grads, optim, transient, offloaded
     transient = (cb * p if mixed else 0) + (4 * t if setup.strategy == "ddp" else 0)  # autocast copies, DDP buckets
     return 4 * p, 4 * t, ob * t, transient, 0.0
+
+
+def optimizer_state(shape: ModelShape, setup: Setup) -> int:
+    """Bytes of optimizer state for the whole model (before sharding): ``optimizer_bytes`` per trainable parameter,
+    or per factored element under Adafactor (a row and a column second moment per matrix)."""
+    elements = (shape.factored_trainable or shape.trainable) if setup.optimizer_factored else shape.trainable
+    return setup.optimizer_bytes * elements
 
 
 def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Breakdown:

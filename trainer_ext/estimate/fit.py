@@ -48,14 +48,27 @@ class Remedy:
     fits: bool
 
 
+def smaller_batch(setup: Setup, batch: int) -> tuple[str, Setup]:
+    """Flags for a micro-batch of at most ``batch`` with more accumulation: the same examples per optimizer step
+    when a divisor of them fits (at least half of ``batch``), else ``batch`` and the label says how the step changes."""
+    per_step = setup.micro_batch * setup.accumulation  # examples per rank per optimizer step
+    divisor = max(d for d in range(1, batch + 1) if per_step % d == 0)
+    if 2 * divisor > batch:
+        batch, accumulation = divisor, per_step // divisor
+        note = "same global batch"
+    else:
+        accumulation = math.ceil(per_step / batch)
+        note = f"global batch changes: {batch * accumulation} instead of {per_step} examples per rank per step"
+    flags = f"--per_device_train_batch_size {batch} --gradient_accumulation_steps {accumulation} ({note})"
+    return flags, setup.replace(micro_batch=batch, accumulation=accumulation)
+
+
 def remedies(shape: ModelShape, setup: Setup, device_memory: int) -> list[Remedy]:
     """Changes that lower the peak, those that fit first (each alone; combine them when none fits)."""
     options: list[tuple[str, Setup]] = []
     batch = largest_batch(shape, setup, device_memory)
     if 0 < batch < setup.micro_batch:
-        accumulation = math.ceil(setup.micro_batch * setup.accumulation / batch)
-        flags = f"--per_device_train_batch_size {batch} --gradient_accumulation_steps {accumulation}"
-        options.append((flags + " (same global batch)", setup.replace(micro_batch=batch, accumulation=accumulation)))
+        options.append(smaller_batch(setup, batch))
     if not setup.checkpointing:
         options.append((checkpointing_flag(), setup.replace(checkpointing=True)))
     multi = setup.world_size > 1

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError, closest
+from ..errors import ConfigError
+from .lengths import sample_column, sequence_length
 from .setup import Setup, setup_from_values
 from .shape import ModelShape
 
 # read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs 2 processes)
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
-LENGTH_SAMPLE = 10_000  # examples tokenized to find a classifier's longest sequence
+ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
 
 @dataclass(frozen=True)
@@ -32,31 +34,41 @@ class Job:
     args: Any
 
 
-def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], Any]:
+def check_combinations(values: dict[str, Any], num_processes: int) -> None:
+    """The rules ``train`` applies to the flags left out of TrainJobArguments here, except those about this
+    machine's device (fp16 needing CUDA, bf16/fp8 support): --fsdp with --deepspeed, --fp16 with --bf16, --fp8 with
+    either, --fsdp on one process, fsdp_config checks, --auto_find_batch_size with a sharding strategy."""
     from ..arguments import TrainJobArguments
-    from ..flags import parse_train_values
+    from ..distributed.fsdp_config import fsdp_requested
+    from ..distributed.rules import check_precision, check_world
+
+    fp16, bf16 = bool(values.get("fp16")), bool(values.get("bf16"))
+    if values.get("fp8") and (fp16 or bf16):
+        raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
+    check_precision("no", torch.device("cpu"), fp16=fp16, bf16=bf16)  # "no": only the rule about the flags
+    flags = SimpleNamespace(
+        **{name: values.get(name) for name in ("deepspeed", "fsdp", "fsdp_config", "auto_find_batch_size")},
+        activation_checkpointing=values.get("activation_checkpointing"),
+        gradient_checkpointing=values.get("gradient_checkpointing"),
+    )
+    TrainJobArguments._refuse_unsupported(flags)
+    if fsdp_requested(flags.fsdp):
+        check_world(num_processes, "fsdp")
+        TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
+
+
+def _parse(argv: Sequence[str], num_processes: int) -> tuple[dict[str, Any], Any]:
+    from ..arguments import TrainJobArguments
+    from ..flags import _unknown_flag_error, parse_train_values
 
     values, extras, parser = parse_train_values(argv)
     if extras:
-        given = next((w for w in extras if w.startswith("-")), extras[0]).split("=", 1)[0]
-        valid = sorted({s.lstrip("-") for a in parser._actions for s in a.option_strings} | ESTIMATE_FLAGS)
-        hint = closest(given.lstrip("-").replace("-", "_"), valid)
-        suggestion = " Did you mean " + " or ".join(f"--{m}" for m in hint) + "?" if hint else ""
-        raise ConfigError(f"unknown flag {given}.{suggestion} (all flags: trainer-ext estimate --help)")
+        raise _unknown_flag_error(extras, parser, command="estimate", more_flags=ESTIMATE_FLAGS)
+    check_combinations(values, num_processes)
     built = dict(values)
     for name in TARGET_FLAGS:
         built[name] = parser.get_default(name)
     return values, TrainJobArguments(**built)
-
-
-ESTIMATE_FLAGS = {"num_processes", "device_memory", "measure", "json"}
-
-
-def sequence_length(args: Any, tokenized_lengths: Sequence[int] | None) -> int:
-    """Tokens per sequence: the block size of a causal LM, the longest example of a classifier (padded per batch)."""
-    if args.task == "causal-lm" or not tokenized_lengths:
-        return args.max_seq_length
-    return min(args.max_seq_length, max(tokenized_lengths))
 
 
 def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
@@ -71,7 +83,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
     tokenizer = build_tokenizer(args, raw["train"][text_column])
     lengths = None
     if labels:
-        texts = list(raw["train"].select(range(min(len(raw["train"]), LENGTH_SAMPLE)))[text_column])
+        texts = sample_column(raw["train"], text_column)
         lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=args.max_seq_length)["input_ids"]]
     with torch.device("meta"):
         if args.model_name_or_path:  # the config only: weights are never read
@@ -84,6 +96,10 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
             model = auto.from_config(config, trust_remote_code=args.trust_remote_code)
         else:
             model = build_model(args, tokenizer, labels)
+        if args.lora_r:  # as train: only the adapters (and a classifier head) train
+            from ..lora import apply_lora
+
+            model = apply_lora(args, model)
     return model, sequence_length(args, lengths)
 
 
@@ -91,12 +107,13 @@ def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
     """Parse train flags, build the meta model, read the setup for ``num_processes`` ranks."""
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
-    values, args = _parse(argv)
+    values, args = _parse(argv, num_processes)
     model, seq_len = build_meta_model(args)
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "optim": getattr(args.optim, "value", args.optim),
+        "optim_args": args.optim_args,
     }
     return Job(ModelShape.from_model(model), setup_from_values(filled, num_processes, seq_len), args)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from ..values import format_size
 from .breakdown import KEYS, Breakdown
 from .setup import Setup
@@ -59,6 +61,17 @@ def json_document(breakdown: Breakdown, setup: Setup, extra: Mapping[str, Any], 
         "measured": dict(measured) if measured is not None else None,
         "setup": {**setup.__dict__, **extra},
     }
+
+
+def check_writable(path: str) -> None:
+    """ConfigError unless ``path`` can be written: its folder exists and is writable, and it is not a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--json {path!r} is a folder; give a file name, e.g. {os.path.join(path, 'estimate.json')}")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--json {path!r}: the folder {folder!r} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--json {path!r}: the folder {folder!r} is not writable")
 
 
 def write_json(path: str, document: Mapping[str, Any]) -> None:

@@ -13,19 +13,39 @@ from typing import Any
 from ..errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
-# bytes of optimizer state per trainable parameter (fp32 states)
+# bytes of optimizer state per trainable parameter (fp32 states); adafactor is factored (see optimizer_state)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adafactor": 4, "sgd": 4, "lion": 4, "8bit": 2, "rmsprop": 4}
 
 
-def optimizer_state_bytes(optim: str) -> int:
-    """State bytes per parameter for a transformers ``--optim`` name (AdamW: two fp32 moments = 8)."""
+def _optim_args(text: str | None) -> dict[str, str]:
+    """transformers' ``--optim_args`` "key=value,key=value" string as a dict."""
+    pairs = [item.split("=", 1) for item in str(text or "").replace(" ", "").split(",") if "=" in item]
+    return {key: value for key, value in pairs}
+
+
+def optimizer_state_bytes(optim: str, optim_args: str | None = None) -> int:
+    """State bytes per parameter for a transformers ``--optim`` name (AdamW: two fp32 moments = 8).
+
+    SGD keeps a momentum buffer only when ``--optim_args momentum=...`` is non-zero (transformers' default: none).
+    Adafactor's value is per *factored* element (:func:`optimizer_state`), not per parameter."""
     name = str(optim).lower()
     if "8bit" in name:
         return OPTIMIZER_STATE_BYTES["8bit"]
+    if name == "sgd":
+        try:
+            momentum = float(_optim_args(optim_args).get("momentum", 0) or 0)
+        except ValueError:
+            momentum = 0.0
+        return 4 if momentum else 0
     for key, value in OPTIMIZER_STATE_BYTES.items():
         if key in name:
             return value
     return 8
+
+
+def is_factored(optim: str) -> bool:
+    """Adafactor (transformers' and torch's): a row and a column second moment per matrix instead of one per entry."""
+    return "adafactor" in str(optim).lower()
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,8 @@ class Setup:
     accumulation: int = 1
     checkpointing: bool = False
     optimizer_bytes: int = 8
+    optimizer_factored: bool = False  # Adafactor: state per factored element (ModelShape.factored_trainable)
+    replicate: int = 1  # FSDP hybrid sharding: replicas, each sharding over world_size // replicate ranks
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -60,7 +82,9 @@ class Setup:
 
     @property
     def shards(self) -> int:
-        return self.world_size if self.strategy in ("fsdp", "deepspeed") else 1
+        if self.strategy == "fsdp":
+            return max(self.world_size // max(self.replicate, 1), 1)
+        return self.world_size if self.strategy == "deepspeed" else 1
 
     def replace(self, **changes: Any) -> Setup:
         return dataclasses.replace(self, **changes)
@@ -69,6 +93,7 @@ class Setup:
         """One line: strategy and options, world size, precision, batch."""
         if self.strategy == "fsdp":
             name = "FSDP2 " + ("full_shard" if self.reshard_after_forward else "shard_grad_op")
+            name += f" (hybrid: {self.replicate} replicas of {self.shards} shards)" if self.replicate > 1 else ""
             name += " + cpu_offload" if self.offload_params else ""
         elif self.strategy == "deepspeed":
             name = f"DeepSpeed ZeRO-{self.zero_stage}"
@@ -104,8 +129,31 @@ def _deepspeed_settings(source: Any) -> dict[str, Any]:
     )
 
 
-def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int) -> Setup:
-    """The Setup of a ``trainer-ext train`` job from its flag values (after defaults were filled in)."""
+def fsdp_options(settings: Any, world_size: int) -> dict[str, Any]:
+    """Setup fields of FSDP settings (an :class:`FSDPSettings`): resharding, offload, hybrid replicas.
+
+    Hybrid sharding without ``replicate_size`` replicates over machines; the estimate assumes one machine."""
+    replicate = 1
+    if settings.hybrid_shard and settings.replicate_size:
+        replicate = int(settings.replicate_size)
+        if replicate < 1 or world_size % replicate:
+            raise ConfigError(
+                f"fsdp_config: replicate_size {replicate} does not divide the {world_size} processes; choose a "
+                "divisor (hybrid sharding = replicate_size groups of world/replicate_size shards)"
+            )
+    return dict(
+        reshard_after_forward=settings.reshard_after_forward,
+        offload_params=settings.cpu_offload,
+        offload_optimizer=settings.cpu_offload,
+        replicate=replicate,
+    )
+
+
+def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsdp_settings: Any = None) -> Setup:
+    """The Setup of a ``trainer-ext train`` job from its flag values (after defaults were filled in).
+
+    ``fsdp_settings``: the job's :class:`FSDPSettings` when already read (``train``'s start-up); else they are read
+    from the ``fsdp``/``fsdp_config`` values."""
     from ..distributed.fsdp_config import fsdp_requested, parse_fsdp
 
     precision = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "no"
@@ -117,15 +165,12 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int) -> 
         ds = _deepspeed_settings(values["deepspeed"])
         precision = ds.pop("precision") or precision
         options.update(ds)
-    elif fsdp_requested(values.get("fsdp")):
+    elif fsdp_settings is not None or fsdp_requested(values.get("fsdp")):
         strategy = "fsdp"
-        settings = parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
-        options.update(
-            reshard_after_forward=settings.reshard_after_forward,
-            offload_params=settings.cpu_offload,
-            offload_optimizer=settings.cpu_offload,
-        )
+        settings = fsdp_settings or parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
+        options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
+    optim = values.get("optim") or "adamw_torch"
     return Setup(
         strategy=strategy,
         world_size=world_size,
@@ -134,6 +179,7 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int) -> 
         seq_len=seq_len,
         accumulation=int(values.get("gradient_accumulation_steps") or 1),
         checkpointing=checkpointing,
-        optimizer_bytes=optimizer_state_bytes(values.get("optim") or "adamw_torch"),
+        optimizer_bytes=optimizer_state_bytes(optim, values.get("optim_args")),
+        optimizer_factored=is_factored(optim),
         **options,
     )

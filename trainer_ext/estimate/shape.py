@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ class ModelShape:
     vocab: int
     causal_lm: bool
     attn_implementation: str = "sdpa"
-    dropout: float = 0.0
+    factored_trainable: int = 0  # Adafactor's state elements: rows + columns per trainable matrix, numel per vector
 
     @property
     def head_dim(self) -> int:
@@ -49,17 +50,14 @@ class ModelShape:
         """Read a (meta-device or real) transformers model."""
         config = model.config
         unique = {id(p): p for p in model.parameters()}.values()
-        params = sum(p.numel() for p in unique)
-        trainable = sum(p.numel() for p in unique if p.requires_grad)
+        params = sum(_numel(p) for p in unique)
+        trainable = sum(_numel(p) for p in unique if p.requires_grad)
+        factored = sum(_factored(p) for p in unique if p.requires_grad)
         layers = _repeated_blocks(model)
-        layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
+        layer_params = sum(_numel(p) for p in layers[0].parameters()) if layers else 0
         hidden = _first(config, "hidden_size", "n_embd", "d_model", default=0)
         heads = _first(config, "num_attention_heads", "n_head", default=1)
         architectures = type(model).__name__
-        dropouts = [
-            _first(config, name, default=0.0)
-            for name in ("hidden_dropout_prob", "resid_pdrop", "attention_dropout", "attn_pdrop", "hidden_dropout")
-        ]
         return cls(
             model_type=str(getattr(config, "model_type", "unknown")),
             params=params,
@@ -73,8 +71,23 @@ class ModelShape:
             vocab=_first(config, "vocab_size", default=0),
             causal_lm=architectures.endswith(("ForCausalLM", "LMHeadModel")),
             attn_implementation=str(getattr(config, "_attn_implementation", None) or "sdpa"),
-            dropout=float(max(float(d or 0.0) for d in dropouts)),
+            factored_trainable=factored,
         )
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    """Elements of a parameter; under ZeRO-3 the model is already partitioned (``numel()`` 0), ``ds_numel`` is
+    the full count."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
+def _factored(p: torch.nn.Parameter) -> int:
+    """Adafactor's second-moment elements for ``p``: a row and a column vector for a matrix, the whole of a vector."""
+    shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+    if len(shape) < 2:
+        return _numel(p)
+    leading = math.prod(shape[:-2])
+    return leading * shape[-2] + leading * shape[-1]  # exp_avg_sq_row (shape[:-1]) + exp_avg_sq_col
 
 
 def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..errors import ConfigError
 from ..values import format_size, parse_size
 from .breakdown import estimate
 from .fit import largest_batch, remedies
+from .lengths import sample_column, sequence_length
 from .report import format_breakdown
 from .setup import setup_from_values
 from .shape import ModelShape
@@ -19,11 +21,19 @@ from .shape import ModelShape
 logger = logging.getLogger("trainer_ext.estimate")
 
 
+def device_memory_bytes(text: str, flag: str = "--device_memory") -> int:
+    """The bytes of a ``--device_memory`` size ("80GiB", "24GB"); ConfigError unless more than 0."""
+    limit = parse_size(text, flag)
+    if limit <= 0:
+        raise ConfigError(f"{flag} must be more than 0 bytes, got {text!r}")
+    return limit
+
+
 def device_memory_limit(args: Any) -> int | None:
     """Bytes one rank may use: ``args.device_memory`` when set, else the CUDA device's total memory, else None."""
     given = getattr(args, "device_memory", None)
     if given:
-        return parse_size(given, "device memory")
+        return device_memory_bytes(given)
     device = getattr(args, "device", None)
     if device is not None and device.type == "cuda":
         import torch
@@ -33,28 +43,32 @@ def device_memory_limit(args: Any) -> int | None:
 
 
 def _sequence_length(args: Any, dataset: Any) -> int:
-    if args.task != "sequence-classification" or dataset is None:
-        return args.max_seq_length
-    try:
-        sample = dataset.select(range(min(len(dataset), 10_000))).with_format(None)["input_ids"]
-        return min(args.max_seq_length, max(len(ids) for ids in sample))
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return args.max_seq_length
+    lengths = None
+    if args.task == "sequence-classification" and dataset is not None:
+        try:
+            lengths = [len(ids) for ids in sample_column(dataset, "input_ids")]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            lengths = None
+    return sequence_length(args, lengths)
 
 
 def setup_for(args: Any, world_size: int, seq_len: int):
-    """The Setup of built TrainJobArguments (FSDP settings in their normal form, the DeepSpeed config as given)."""
+    """The Setup of built TrainJobArguments: FSDP from the settings the arguments already read
+    (``fsdp_plugin_args``), the DeepSpeed config as given."""
+    from ..distributed.fsdp_config import FSDPSettings
+
     values = {name: getattr(args, name, None) for name in ("bf16", "fp16", "per_device_train_batch_size")}
     values.update(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         optim=getattr(args.optim, "value", args.optim),
+        optim_args=getattr(args, "optim_args", None),
         activation_checkpointing=getattr(args, "activation_checkpointing", None),
         gradient_checkpointing=getattr(args, "gradient_checkpointing", None),
         deepspeed=args.deepspeed,
     )
-    if getattr(args, "fsdp_plugin_args", None) is not None:
-        values.update(fsdp=True, fsdp_config=args.fsdp_plugin_args)
-    return setup_from_values(values, world_size, seq_len)
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    settings = FSDPSettings.from_dict(plugin) if plugin is not None else None
+    return setup_from_values(values, world_size, seq_len, fsdp_settings=settings)
 
 
 def startup_estimate(trainer: Any) -> str | None:
