@@ -174,15 +174,19 @@ class TrainingArguments(transformers.TrainingArguments):
         return settings.to_dict()
 
     def _refuse_unsupported(self) -> None:
-        if self.deepspeed and fsdp_requested(self.fsdp):
-            raise ConfigError(
-                "--fsdp and --deepspeed both shard the model; choose one: FSDP2 (--fsdp --fsdp_config "
-                "configs/fsdp/full_shard.yaml) or DeepSpeed ZeRO (--deepspeed configs/deepspeed/zero3.json)"
-            )
+        self._refuse_combinations()
         if self.deepspeed and importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
                 "--deepspeed needs the deepspeed package: pip install 'trainer_ext[deepspeed]' (on a machine "
                 "without CUDA: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]')"
+            )
+
+    def _refuse_combinations(self) -> None:
+        """Flags that cannot go together, whatever is installed (``trainer-ext estimate`` checks these too)."""
+        if self.deepspeed and fsdp_requested(self.fsdp):
+            raise ConfigError(
+                "--fsdp and --deepspeed both shard the model; choose one: FSDP2 (--fsdp --fsdp_config "
+                "configs/fsdp/full_shard.yaml) or DeepSpeed ZeRO (--deepspeed configs/deepspeed/zero3.json)"
             )
         if self.auto_find_batch_size and (self.deepspeed or fsdp_requested(self.fsdp)):
             # DeepSpeed fixes its micro-batch and accumulation in its config; FSDP2 all-gathers in every forward, so

@@ -51,7 +51,7 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
         activation_checkpointing=values.get("activation_checkpointing"),
         gradient_checkpointing=values.get("gradient_checkpointing"),
     )
-    TrainJobArguments._refuse_unsupported(flags)
+    TrainJobArguments._refuse_combinations(flags)  # not whether deepspeed is installed: estimating needs none
     if fsdp_requested(flags.fsdp):
         check_world(num_processes, "fsdp")
         TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
