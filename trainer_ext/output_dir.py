@@ -175,7 +175,8 @@ def check_space(args: TrainJobArguments, trainer: Any) -> None:
         return
     model = trainer.accelerator.unwrap_model(trainer.model)
     needed = disk_space.checkpoint_bytes(model, optimizer_states=0)  # the final model
+    what = "the model"
     if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
         needed += disk_space.checkpoint_bytes(model)
-    what = "the final model and a checkpoint" if needed > disk_space.checkpoint_bytes(model, 0) else "the model"
+        what = "the final model and a checkpoint"
     disk_space.check_room(args.output_dir, needed, what)
