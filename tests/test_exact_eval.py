@@ -96,6 +96,7 @@ def _evaluate(out: Path, batch: int, exact: bool) -> dict:
     return trainer.evaluate()
 
 
+@pytest.mark.compat  # the loss transformers divides by num_items_in_batch is undone the same way on 5.17
 def test_transformers_figure_is_kept_under_another_name(tmp_path: Path, references: dict) -> None:
     stock = _evaluate(tmp_path / "stock", 3, exact=False)
     exact = _evaluate(tmp_path / "exact", 3, exact=True)

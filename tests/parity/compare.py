@@ -95,6 +95,7 @@ OWN_FIELDS = (
     "preemption_check_steps",
     "run_summary",
     "save_final_model",
+    "exact_eval_loss",
     "save_on_preemption",
 )
 
