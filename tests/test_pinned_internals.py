@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from tests.helpers.ranks import child_env
 from tests.helpers.tiny import tiny_llama
-from trainer_ext.checkpointing import marker, safe_dcp
+from trainer_ext.checkpointing import durable, listing, safe_dcp, verification
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ SAFE_DCP = "trainer_ext/checkpointing/safe_dcp.py"
 DS_STRATEGY = "trainer_ext/distributed/strategies/deepspeed.py"
 NO_DEEPSPEED = "deepspeed is not installed: pip install -e '.[deepspeed]'"
 RANK_FILE = (
-    "the per-rank file pattern marker._RANK_FILE (trainer_ext/checkpointing/marker.py: flush_tree fsyncs by it)"
+    "the per-rank file pattern durable._RANK_FILE (trainer_ext/checkpointing/durable.py: flush_tree fsyncs by it)"
 )
 
 
@@ -231,24 +231,24 @@ def test_dcp_shard_file_names_carry_the_writing_rank(dcp_folder) -> None:
         names = sorted(p.name for p in (folder / sub).iterdir())
         data = [n for n in names if n != safe_dcp.METADATA]
         assert data and all(n.startswith("__0_") for n in data), f"DCP wrote {names}: update {RANK_FILE}"
-        assert marker.writer_rank(f"{sub}/{safe_dcp.METADATA}") is None
+        assert durable.writer_rank(f"{sub}/{safe_dcp.METADATA}") is None
         for name in data:
-            assert marker.writer_rank(f"{sub}/{name}") == 0, f"DCP wrote {name}: update {RANK_FILE}"
-            assert marker.writer_rank(f"{sub}/{name.replace('__0_', '__13_', 1)}") == 13, f"update {RANK_FILE}"
-    marker.verify(folder, require_marker=False)  # every file of a real DCP save passes verification
+            assert durable.writer_rank(f"{sub}/{name}") == 0, f"DCP wrote {name}: update {RANK_FILE}"
+            assert durable.writer_rank(f"{sub}/{name.replace('__0_', '__13_', 1)}") == 13, f"update {RANK_FILE}"
+    verification.verify(folder, require_marker=False)  # every file of a real DCP save passes verification
 
 
 def test_transformers_checkpoint_and_rng_file_names() -> None:
-    """``checkpoint-N`` folders (marker._CHECKPOINT) and the Trainer's per-rank ``rng_state_{rank}.pth``."""
+    """``checkpoint-N`` folders (listing._CHECKPOINT) and the Trainer's per-rank ``rng_state_{rank}.pth``."""
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    assert marker._CHECKPOINT.match(f"{PREFIX_CHECKPOINT_DIR}-12").group(1) == "12", "update marker._CHECKPOINT"
+    assert listing._CHECKPOINT.match(f"{PREFIX_CHECKPOINT_DIR}-12").group(1) == "12", "update listing._CHECKPOINT"
     source = inspect.getsource(transformers.Trainer._save_rng_state)
     assert 'f"rng_state_{self.args.process_index}.pth"' in source, (
         f"transformers names its per-rank RNG files differently now: update {RANK_FILE}"
     )
-    assert marker.writer_rank("checkpoint-4/rng_state_3.pth") == 3 and marker.writer_rank("rng_state.pth") is None
+    assert durable.writer_rank("checkpoint-4/rng_state_3.pth") == 3 and durable.writer_rank("rng_state.pth") is None
 
 
 # -- DeepSpeed -------------------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_engine_counts_skipped_steps(ds_run) -> None:
 @pytest.mark.deepspeed
 def test_deepspeed_file_names_carry_the_data_parallel_rank(ds_run) -> None:
     """DeepSpeed names each rank's partition ``(bf16_)zero_pp_rank_{rank}_mp_rank_00_...``; ``mp_rank_00_...``
-    (the model under ZeRO 0-2), ``latest`` and its scripts are the main process's (marker.writer_rank)."""
+    (the model under ZeRO 0-2), ``latest`` and its scripts are the main process's (durable.writer_rank)."""
     out, _ = ds_run
     for name, stage, bf16 in DS_SAVES:
         folder = out / name
@@ -445,28 +445,32 @@ def test_deepspeed_file_names_carry_the_data_parallel_rank(ds_run) -> None:
         assert optim in files and model in files, f"DeepSpeed wrote {files}: update {RANK_FILE}"
         for file in files:
             expected = 0 if file in per_rank else None
-            assert marker.writer_rank(file) == expected, f"DeepSpeed wrote {file}: update {RANK_FILE}"
+            assert durable.writer_rank(file) == expected, f"DeepSpeed wrote {file}: update {RANK_FILE}"
         for file in per_rank:
-            assert marker.writer_rank(file.replace("zero_pp_rank_0_", "zero_pp_rank_11_")) == 11, f"update {RANK_FILE}"
+            assert durable.writer_rank(file.replace("zero_pp_rank_0_", "zero_pp_rank_11_")) == 11, (
+                f"update {RANK_FILE}"
+            )
 
 
 @pytest.mark.deepspeed
 def test_deepspeed_files_hold_only_the_classes_verify_allows(ds_run) -> None:
-    """marker.DEEPSPEED_CLASSES: the classes DeepSpeed pickles besides tensors (its files are loaded in full by
+    """verification.DEEPSPEED_CLASSES: the classes DeepSpeed pickles besides tensors (its files are loaded in full by
     DeepSpeed, so verify loads them ``weights_only`` with these stood in for); a real save verifies."""
-    for dotted in marker.DEEPSPEED_CLASSES:
+    for dotted in verification.DEEPSPEED_CLASSES:
         module, _, name = dotted.rpartition(".")
         assert hasattr(importlib.import_module(module), name), (
-            f"DeepSpeed moved {dotted}: update DEEPSPEED_CLASSES in trainer_ext/checkpointing/marker.py"
+            f"DeepSpeed moved {dotted}: update DEEPSPEED_CLASSES in trainer_ext/checkpointing/verification.py"
         )
     out, _ = ds_run
     for name, _, _ in DS_SAVES:
         for path in sorted((out / name).rglob("*.pt")):
             try:
-                marker.load_deepspeed_file(path)
+                verification.load_deepspeed_file(path)
             except Exception as error:
-                pytest.fail(f"{name}/{path.name} holds a class outside marker.DEEPSPEED_CLASSES: add it ({error})")
-        marker.verify(out / name, require_marker=False)
+                pytest.fail(
+                    f"{name}/{path.name} holds a class outside verification.DEEPSPEED_CLASSES: add it ({error})"
+                )
+        verification.verify(out / name, require_marker=False)
 
 
 @pytest.mark.deepspeed

@@ -18,6 +18,8 @@ import torch
 import transformers
 from packaging.version import Version
 
+# the RNG allow-list lives below, in checkpointing/, which verifies RNG files without importing this module
+from .checkpointing.safe_globals import numpy_rng_safe_globals as numpy_rng_safe_globals
 from .distributed.data import skip_first_batches as _our_skip_first_batches
 from .distributed.state import DistributedType
 from .distributed.tracking import TrackedIteration
@@ -195,13 +197,6 @@ def loss_uses_num_items(model: Any) -> bool | None:
     if not loss_calls:
         return any(isinstance(n, ast.Name) and n.id == "num_items_in_batch" for n in ast.walk(tree))
     return any(kw.arg is None or kw.arg == "num_items_in_batch" for call in loss_calls for kw in call.keywords)
-
-
-def numpy_rng_safe_globals() -> Any:
-    """The weights-only allow-list transformers uses to read the numpy RNG state in ``rng_state*.pth``."""
-    from transformers.trainer_pt_utils import safe_globals
-
-    return safe_globals()
 
 
 def saved_weight_names(model: Any, state: dict[str, Any]) -> dict[str, Any] | None:

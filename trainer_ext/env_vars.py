@@ -2,8 +2,8 @@
 
 The launcher writes them (``trainer_ext.cli.launch``); the code inside the processes reads ours back
 (:class:`trainer_ext.Accelerator`; transformers' TrainingArguments reads ``ACCELERATE_MIXED_PRECISION`` into
-``args.mixed_precision``). The topology variables torchrun sets (RANK, WORLD_SIZE, ...) belong to torchrun and
-are read in ``trainer_ext.distributed.state``.
+``args.mixed_precision``). The topology variables torchrun sets (RANK, WORLD_SIZE, ...) belong to torchrun: named
+here too, read in ``trainer_ext.distributed.state``.
 """
 
 from __future__ import annotations
@@ -18,5 +18,14 @@ CONFIG_FILE = "TRAINER_EXT_CONFIG_FILE"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 TORCH_DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# torchrun's, removed from a single process started directly (it must not join another job's group)
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+# torchrun's: the process topology and the rendezvous address
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"  # the node's rank
+NODE_RANK = "NODE_RANK"  # the node's rank as other launchers name it (read when GROUP_RANK is absent)
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+# removed from a single process started directly (it must not join another job's group)
+TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT)

@@ -17,7 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from . import disk_space, run_lock
 from .arguments import TrainJobArguments
-from .checkpointing.marker import sorted_checkpoints
+from .checkpointing.listing import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
 from .errors import ConfigError
 

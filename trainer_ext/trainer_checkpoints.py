@@ -17,9 +17,12 @@ from . import disk_space
 from .callbacks.duties import DutyCallbackHandler
 from .checkpointing import marker, together
 from .checkpointing import sharded as sharded_checkpoint
+from .checkpointing.durable import flush_tree
+from .checkpointing.listing import rotate, sorted_checkpoints
 from .checkpointing.preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
 from .checkpointing.resume import AUTO, resume_request
-from .distributed.strategies import checkpoint_owner
+from .checkpointing.verification import check_safetensors
+from .distributed.strategies import STRATEGIES, checkpoint_owner
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -120,7 +123,7 @@ class CheckpointingMixin:
                 )
             # in a run saved by trainer_ext (a sibling has a marker) a folder without one is a save that did not
             # finish, or whose marker was lost; only a plain transformers run's checkpoint goes without
-            ours = any(marker.has_marker(p) for p in marker.sorted_checkpoints(Path(path).parent))
+            ours = any(marker.has_marker(p) for p in sorted_checkpoints(Path(path).parent))
             try:
                 found = together.verify_together(
                     path, require_marker=ours, part=self._verify_part(), kind=marker.TRAINER
@@ -152,10 +155,17 @@ class CheckpointingMixin:
         """Refuse a checkpoint of another model, or of another world size unless the batches line up."""
         facts = marker.read_marker(path) or {}
         saved = facts.get("world_size")
-        if saved is not None and saved != self.args.world_size and facts.get("strategy") == "deepspeed":
+        writer = facts.get("strategy")  # the registry name of the strategy that saved it
+        writer = STRATEGIES.get(writer) if isinstance(writer, str) else None
+        if (
+            saved is not None
+            and saved != self.args.world_size
+            and writer is not None
+            and not writer.reshards_training_state
+        ):
             raise ConfigError(
-                f"{path.name} is a DeepSpeed checkpoint of {saved} processes and this run has "
-                f"{self.args.world_size}: resume DeepSpeed with the same number of processes"
+                f"{path.name} is a {writer.title} checkpoint of {saved} processes and this run has "
+                f"{self.args.world_size}: resume {writer.title} with the same number of processes"
             )
         if saved is not None and saved != self.args.world_size:
             now = self._batch_facts()
@@ -179,7 +189,7 @@ class CheckpointingMixin:
             return
         expected_model = self.accelerator.unwrap_model(self.model)
         owner = checkpoint_owner(path)
-        if owner is not None:  # a backend's own format (DeepSpeed's): the backend knows what it holds
+        if owner is not None:  # a backend's own format: the backend knows what it holds
             owner.check_own_checkpoint(expected_model, path)
             return
         if sharded_checkpoint.has_sharded_model(path):
@@ -188,7 +198,7 @@ class CheckpointingMixin:
         weights = path / "model.safetensors"
         if not weights.is_file():
             return
-        header = marker.check_safetensors(weights)
+        header = check_safetensors(weights)
         saved = {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
         # shapes of parameters only: a model's own load_state_dict may legitimately resize its buffers
         expected = {k: saved.get(k, list(v.shape)) for k, v in expected_model.state_dict().items()}
@@ -207,7 +217,7 @@ class CheckpointingMixin:
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
-            marker.flush_tree(folder)  # this rank's data reaches the disk before the marker can
+            flush_tree(folder)  # this rank's data reaches the disk before the marker can
         except Exception as error:  # torch, safetensors and the OS each say "disk full" with their own error type
             self._raise_if_disk_full(error, folder)
             raise
@@ -230,7 +240,7 @@ class CheckpointingMixin:
                 self._raise_if_disk_full(error, folder)
                 raise
             marker.end_save(folder)
-            removed = marker.rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
+            removed = rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
             for path in removed:
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
         _barrier(self)
@@ -243,7 +253,7 @@ class CheckpointingMixin:
         if self.args.should_save:
             marker.remove_marker(folder)
             shutil.rmtree(folder, ignore_errors=True)
-        intact = [p for p in marker.sorted_checkpoints(folder.parent) if marker.is_complete(p)]
+        intact = [p for p in sorted_checkpoints(folder.parent) if marker.is_complete(p)]
         needed = disk_space.checkpoint_bytes(self.accelerator.unwrap_model(self.model)) if self.model else None
         kept = intact[-1].name if intact else None
         raise disk_space.save_failed(folder, error, needed, kept) from None

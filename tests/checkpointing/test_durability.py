@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_ext.checkpointing.marker import flush_tree, writer_rank
+from trainer_ext.checkpointing.durable import flush_tree, writer_rank
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,8 @@ from tests.helpers.ranks import child_env
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, CheckpointError, verify
-from trainer_ext.checkpointing.marker import SAVING, check_marker, read_marker, rotate, seal
+from trainer_ext.checkpointing.listing import rotate
+from trainer_ext.checkpointing.marker import SAVING, check_marker, read_marker, seal
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(180)

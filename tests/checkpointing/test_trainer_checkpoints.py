@@ -131,7 +131,8 @@ def test_rotation_keeps_the_limit_and_only_complete_checkpoints(tmp_path: Path) 
 
 def test_rotation_never_deletes_checkpoints_written_without_trainer_ext(tmp_path: Path) -> None:
     """A finished checkpoint without our marker (e.g. from plain transformers) and the best one are kept."""
-    from trainer_ext.checkpointing.marker import rotate, write_marker
+    from trainer_ext.checkpointing.listing import rotate
+    from trainer_ext.checkpointing.marker import write_marker
 
     for step in (100, 200, 300, 400):
         folder = tmp_path / f"checkpoint-{step}"

@@ -1,7 +1,9 @@
 """Checkpoint I/O below the Trainer: atomic commit markers, verified resume, safe rotation, preemption handling."""
 
-from .marker import COMPLETE, CheckpointError, newest_complete, rotate, verify, write_marker
+from .listing import newest_complete, rotate
+from .marker import COMPLETE, CheckpointError, write_marker
 from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback
+from .verification import verify
 
 __all__ = [
     "COMPLETE",

@@ -27,17 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from ..errors import ConfigError
 from ..saving import tied_groups, unique_state_dict
 from . import sharded as sharded_checkpoint
-from .marker import (
-    COMPLETE,
-    LOOP,
-    CheckpointError,
-    flush_tree,
-    fsync_dir,
-    is_complete,
-    read_marker,
-    remove_marker,
-    write_marker,
-)
+from .durable import flush_tree, fsync_dir
+from .marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker, remove_marker, write_marker
 from .together import own_checksums, verify_together
 
 __all__ = ["COMPLETE", "load_state", "save_state"]

@@ -13,16 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .marker import (
-    TRAINER,
-    TRAINER_STATE,
-    CheckpointError,
-    checksums,
-    has_marker,
-    sorted_checkpoints,
-    verify,
-    writer_rank,
-)
+from .durable import checksums, writer_rank
+from .listing import sorted_checkpoints
+from .marker import TRAINER, TRAINER_STATE, CheckpointError, has_marker
+from .verification import verify
 
 
 def _world() -> tuple[int, int]:
@@ -60,7 +54,7 @@ def verify_together(
     part: tuple[int, int] = (0, 1),
     kind: str | None = None,
 ) -> dict[str, Any]:
-    """``marker.verify`` with the checksums split by ``part`` (this rank's index among its node's); all agree.
+    """``verification.verify`` with the checksums split by ``part`` (this rank's index among its node's); all agree.
 
     CheckpointError on every rank when any rank found a problem.
     """

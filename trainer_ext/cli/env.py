@@ -13,11 +13,12 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from .. import __version__
+from ..env_vars import LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 from .launch.config_file import find_config_file, read_config_file
 
 PACKAGES = ("transformers", "datasets", "safetensors", "deepspeed", "peft")
 ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_", "GLOO_", "TORCH_", "ACCELERATE_", "TRAINER_EXT_")
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
+ENV_NAMES = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "SLURM_JOB_ID", "SLURM_NNODES")
 
 
 def package_version(name: str) -> str:

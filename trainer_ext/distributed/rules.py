@@ -10,6 +10,7 @@ import importlib.util
 import torch
 
 from ..errors import ConfigError
+from .strategies import STRATEGIES  # the registry: strategies never import this module
 
 
 def check_precision(mixed_precision: str, device: torch.device, *, fp16: bool = False, bf16: bool = False) -> None:
@@ -48,12 +49,7 @@ def check_fp8(device: torch.device) -> None:
 
 
 def check_world(world_size: int, strategy: str) -> None:
-    """A single-device strategy cannot run on several processes."""
-    if strategy == "single" and world_size > 1:
-        raise ConfigError(f"strategy 'single' cannot run on {world_size} processes; use 'ddp' or launch one process")
-    if strategy == "fsdp" and world_size < 2:
-        raise ConfigError(
-            "FSDP shards the model over processes and this job has one: launch at least 2 "
-            "(trainer-ext launch --num_processes 2 ...), or drop --fsdp to train on one process "
-            "(a sharded checkpoint still resumes there)"
-        )
+    """The strategy named ``strategy`` runs on ``world_size`` processes (its class says how many it takes)."""
+    found = STRATEGIES.get(strategy)
+    if found is not None:
+        found.check_world(world_size)

@@ -20,6 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..env_vars import (
+    GROUP_RANK,
+    LOCAL_RANK,
+    LOCAL_WORLD_SIZE,
+    MASTER_ADDR,
+    MASTER_PORT,
+    NODE_RANK,
+    RANK,
+    WORLD_SIZE,
+)
 from ..errors import ConfigError
 
 
@@ -91,18 +101,18 @@ def first_slurm_host(nodelist: str) -> str:
 def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
     """Read the topology from torchrun, then OpenMPI, then SLURM (inside ``srun``), else one process."""
     env = os.environ if environ is None else environ
-    port = _int(env, "MASTER_PORT")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = _int(env, "WORLD_SIZE", 1)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    port = _int(env, MASTER_PORT)
+    if RANK in env and WORLD_SIZE in env:
+        world = _int(env, WORLD_SIZE, 1)
+        local_world = _int(env, LOCAL_WORLD_SIZE, world)
         return Topology(
-            rank=_int(env, "RANK", 0),
-            local_rank=_int(env, "LOCAL_RANK", 0),
+            rank=_int(env, RANK, 0),
+            local_rank=_int(env, LOCAL_RANK, 0),
             world_size=world,
             local_world_size=local_world,
-            node_rank=_int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0)),
+            node_rank=_int(env, GROUP_RANK, _int(env, NODE_RANK, 0)),
             num_nodes=max(1, world // max(1, local_world)),
-            master_addr=env.get("MASTER_ADDR"),
+            master_addr=env.get(MASTER_ADDR),
             master_port=port,
             source="torchrun",
         )
@@ -117,7 +127,7 @@ def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
             local_world_size=local_world,
             node_rank=rank // max(1, local_world),
             num_nodes=max(1, world // max(1, local_world)),
-            master_addr=env.get("MASTER_ADDR"),
+            master_addr=env.get(MASTER_ADDR),
             master_port=port,
             source="openmpi",
         )
@@ -125,7 +135,7 @@ def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
         world = _int(env, "SLURM_NTASKS", 1)
         nodes = _int(env, "SLURM_NNODES", 1)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or ""
-        addr = env.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else None)
+        addr = env.get(MASTER_ADDR) or (first_slurm_host(nodelist) if nodelist else None)
         return Topology(
             rank=_int(env, "SLURM_PROCID", 0),
             local_rank=_int(env, "SLURM_LOCALID", 0),

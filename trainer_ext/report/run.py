@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpointing import marker as markers
+from ..checkpointing.listing import sorted_checkpoints
 from ..errors import ConfigError
 from .events import EVENTS_FILE, process_alive, read_events, seconds_since
 
@@ -213,7 +214,7 @@ def _optional_json(path: Path) -> dict[str, Any]:
 def _marker_of(folder: Path) -> dict[str, Any] | None:
     """The checkpoint's marker when it is valid and the files it lists are all there at their sizes, else None.
 
-    Sizes only (a stat per file): the checksums are for resume's :func:`~trainer_ext.checkpointing.marker.verify`,
+    Sizes only (a stat per file): the checksums are for resume's :func:`~trainer_ext.checkpointing.verification.verify`,
     too slow for a report written at every checkpoint.
     """
     try:
@@ -240,7 +241,7 @@ def list_checkpoints(run_dir: Path, events: list[dict[str, Any]]) -> list[Checkp
     its trainer_state.json. A damaged marker, or a save that died (``.trainer_ext_saving`` left), is not complete.
     """
     found: dict[int, Checkpoint] = {}
-    folders = markers.sorted_checkpoints(run_dir)
+    folders = sorted_checkpoints(run_dir)
     ours = any(markers.has_marker(folder) for folder in folders)
     for folder in folders:
         step = int(folder.name.rsplit("-", 1)[1])

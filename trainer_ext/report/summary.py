@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpointing import marker as markers
+from ..checkpointing.verification import check_safetensors
+from ..values import FALSE_WORDS, TRUE_WORDS
 from .run import EVAL_SPEED, RunData
 
 # metrics where higher is better; any other is taken as lower-is-better (losses, perplexity)
@@ -63,7 +65,7 @@ def best_model_rule(run: RunData) -> tuple[str | None, bool | None]:
 def _safetensors_params(path: Path) -> int:
     """Parameters in one safetensors file, from its header (read by safetensors; no tensor is loaded)."""
     total = 0
-    for name, info in markers.check_safetensors(path).items():
+    for name, info in check_safetensors(path).items():
         if name != "__metadata__":
             count = 1
             for dim in info["shape"]:
@@ -229,7 +231,7 @@ def _train_command(argv: list[str], output_dir: Path) -> str | None:
             continue
         if name in ("--overwrite_output_dir", "--overwrite-output-dir"):
             following = argv[2 + i + 1] if 2 + i + 1 < len(argv) else ""
-            skip = "=" not in word and following.lower() in ("true", "false", "1", "0", "yes", "no")
+            skip = "=" not in word and following.strip().lower() in (*TRUE_WORDS, *FALSE_WORDS)
             continue
         flags.append(word)
     if not any(f.split("=", 1)[0] in ("--output_dir", "--output-dir") for f in flags):

@@ -6,7 +6,6 @@ import os
 from typing import Any
 
 from ...errors import ConfigError, did_you_mean
-from ..rules import check_world
 from ..state import DistState
 from .base import Strategy
 from .ddp import DDPStrategy
@@ -30,7 +29,7 @@ def resolve_strategy(state: DistState, name: str | None = None, **options: Any) 
         raise ConfigError(
             f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}.{did_you_mean(name, STRATEGIES)}"
         )
-    check_world(state.num_processes, name)
+    STRATEGIES[name].check_world(state.num_processes)
     return STRATEGIES[name].from_options(state, **options)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...errors import ConfigError
 from ...saving import has_adapters, save_adapter, save_model
 from ..state import DistributedType, DistState
 
@@ -31,7 +32,13 @@ class Strategy:
     joint_prepare = False  # model and optimizer are wrapped together (DeepSpeed's engine)
     wraps_for_evaluation = False  # a joint strategy whose models must be wrapped even for evaluation
     own_checkpoint_format = False  # checkpoints in the backend's own format, which only it resumes (DeepSpeed)
-    reshards_training_state = True  # load_state takes a save_state of another number of processes (not DeepSpeed)
+    # a checkpoint of another number of processes resumes (load_state, the Trainer's resume); not DeepSpeed's
+    reshards_training_state = True
+    # the processes it runs on, and what check_world says outside them ({world_size}: the processes there are)
+    min_processes = 1
+    max_processes: int | None = None
+    too_few_processes = ""
+    too_many_processes = ""
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state
@@ -41,6 +48,14 @@ class Strategy:
     def from_options(cls, state: DistState, **options: Any) -> Strategy:
         """Build from a mixed bag of options (the engine passes all it knows): keep the ones this class takes."""
         return cls(state, **{k: v for k, v in options.items() if k in cls.option_names})
+
+    @classmethod
+    def check_world(cls, world_size: int) -> None:
+        """ConfigError when this strategy cannot run on ``world_size`` processes (the message says what to do)."""
+        if world_size < cls.min_processes:
+            raise ConfigError(cls.too_few_processes.format(world_size=world_size))
+        if cls.max_processes is not None and world_size > cls.max_processes:
+            raise ConfigError(cls.too_many_processes.format(world_size=world_size))
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ...checkpointing import sharded as sharded_checkpoint
-from ...checkpointing.marker import load_deepspeed_file
+from ...checkpointing.verification import load_deepspeed_file
+from ...env_vars import LOCAL_RANK
 from ...errors import ConfigError
 from ...saving import save_model
 from .. import deepspeed_config
@@ -428,9 +429,9 @@ def start_communication(state: DistState, build_cpu_shm_comm: bool = False) -> t
     # DeepSpeed (engine, zero.Init) reads the local rank from the environment only; srun and a plain
     # `python train.py` do not set it, so hand it ours (the launcher's value when there is one)
     local_rank = str(state.local_process_index)
-    if os.environ.setdefault("LOCAL_RANK", local_rank) != local_rank:
+    if os.environ.setdefault(LOCAL_RANK, local_rank) != local_rank:
         raise ConfigError(
-            f"LOCAL_RANK={os.environ['LOCAL_RANK']} in the environment but this process is local rank {local_rank}"
+            f"{LOCAL_RANK}={os.environ[LOCAL_RANK]} in the environment but this process is local rank {local_rank}"
         )
     if deepspeed.comm.is_initialized():
         return deepspeed, False

@@ -68,6 +68,12 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     title = "FSDP"
+    min_processes = 2
+    too_few_processes = (
+        "FSDP shards the model over processes and this job has one: launch at least 2 "
+        "(trainer-ext launch --num_processes 2 ...), or drop --fsdp to train on one process "
+        "(a sharded checkpoint still resumes there)"
+    )
     option_names = ("settings", "mixed_precision")
 
     def __init__(

@@ -9,3 +9,5 @@ class SingleDeviceStrategy(Strategy):
     """No wrapping, no communication."""
 
     name = "single"
+    max_processes = 1
+    too_many_processes = "strategy 'single' cannot run on {world_size} processes; use 'ddp' or launch one process"

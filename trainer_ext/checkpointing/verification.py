@@ -1,0 +1,274 @@
+"""Verification of a checkpoint's contents: its files as committed, what its kind needs, every file safe to load.
+
+Safetensors headers, torch files (``weights_only=True``), DCP metadata (an allow-list) and DeepSpeed's files
+(``weights_only`` with its few classes) are opened; nothing in a checkpoint runs code while it is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .durable import crc32
+from .marker import COMPLETE, LOOP, TRAINER, TRAINER_STATE, CheckpointError, read_marker
+from .safe_globals import numpy_rng_safe_globals
+
+# a Trainer checkpoint's weights: transformers' files (whole, sharded, adapter) or a strategy's own format
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model_sharded/.metadata",  # FSDP2 sharded state (checkpointing.sharded)
+    "latest",  # DeepSpeed's own checkpoint: its tag folder beside it
+)
+LOOP_STATE = "random_states_0.pkl"  # an Accelerator state: process 0's random states are always written
+# pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
+_NOT_LOADED = {"training_args.bin"}
+_LATEST_MAX = 256  # bytes: DeepSpeed's ``latest`` holds a tag name such as ``global_step1200``
+
+
+# safetensors' words for what is wrong with a file it cannot open, and how we say it
+_SAFETENSORS_ERRORS = (
+    ("header too small", "is truncated ({size} bytes)"),
+    ("invalid header length", "is truncated or corrupted (its header does not fit in its {size} bytes)"),
+    ("not fully covered", "is truncated or corrupted ({size} bytes, not what its header describes)"),
+    ("too large", "has a corrupted header ({reason})"),
+)
+
+
+def check_safetensors(path: Path) -> dict[str, Any]:
+    """The header of a safetensors file, as ``{name: {"dtype", "shape"}, "__metadata__": {...}}``.
+
+    ``safetensors.safe_open`` reads the header only and checks that the tensors' offsets, shapes and dtypes agree
+    and cover the file exactly; CheckpointError when it refuses (truncated, corrupted, or not safetensors).
+    """
+    size = path.stat().st_size
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata()
+            header: dict[str, Any] = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                header[name] = {"dtype": view.get_dtype(), "shape": list(view.get_shape())}
+    except SafetensorError as error:
+        reason = " ".join(str(error).split())[:300]
+        said = next((text for words, text in _SAFETENSORS_ERRORS if words in reason), None)
+        if said is None:  # invalid JSON, a value that is no tensor entry, offsets that do not add up
+            said = "has a malformed header (not safetensors' layout: {reason})"
+        raise CheckpointError(f"{path.name} " + said.format(size=size, reason=reason)) from error
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    return header
+
+
+def check_torch_file(path: Path) -> None:
+    """Open a torch file with ``weights_only=True`` (no code runs); CheckpointError when it fails."""
+    try:
+        with numpy_rng_safe_globals():
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # truncated zip, bad pickle, or a global outside the weights-only allow-list
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"{path.name} cannot be loaded safely (weights_only=True): {reason}") from error
+
+
+def _in_deepspeed_folder(path: Path, root: Path) -> bool:
+    """A file of a DeepSpeed checkpoint's tag folder (``global_stepN/`` next to its ``latest`` file)."""
+    return path.parent != root and (path.parent.parent / "latest").is_file()
+
+
+class _Stand:
+    """Stands in for a DeepSpeed class while checking a file: built from its pickled state, never run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+# the classes DeepSpeed pickles into its checkpoints besides tensors and containers (loss scaler, ZeRO stage,
+# parameter fragment addresses); DeepSpeed unpickles them in full, so nothing else may be in its files
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed file loaded ``weights_only``, its own classes stood in for (no DeepSpeed import, no code run)."""
+    with torch.serialization.safe_globals([(_Stand, name) for name in DEEPSPEED_CLASSES]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def check_deepspeed_file(path: Path) -> None:
+    """CheckpointError when a DeepSpeed file holds anything but tensors, containers and DeepSpeed's own classes."""
+    try:
+        load_deepspeed_file(path)
+    except Exception as error:  # a global outside torch's allow-list and DeepSpeed's classes, or a damaged file
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(
+            f"{path.parent.name}/{path.name} holds more than DeepSpeed saves (it could run code when DeepSpeed "
+            f"loads it): {reason}"
+        ) from error
+
+
+def check_deepspeed_latest(path: Path) -> None:
+    """``latest`` must name a real tag folder directly beside it: DeepSpeed loads whatever folder it names."""
+    size = path.stat().st_size
+    if size > _LATEST_MAX:
+        raise CheckpointError(
+            f"{path.name} has {size} bytes, more than a DeepSpeed tag name ({_LATEST_MAX} at most): it is corrupted "
+            "or crafted; pick another checkpoint"
+        )
+    try:
+        tag = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path.name} is corrupted (not a tag name: {error})") from error
+    target = path.parent / tag
+    if (
+        not tag
+        or "/" in tag
+        or "\\" in tag
+        or tag in (".", "..")
+        or target.is_symlink()
+        or not target.is_dir()
+        or target.resolve().parent != path.parent.resolve()
+    ):
+        raise CheckpointError(
+            f"{path.name} names {tag!r}, which is not a checkpoint folder beside it (a plain folder, not a link)"
+        )
+
+
+def check_zip(path: Path) -> None:
+    """A torch file checked as the zip archive it is (every member's CRC), without unpickling it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(f"{path.name} is truncated or corrupted ({error})") from error
+    if bad is not None:
+        raise CheckpointError(f"{path.name} is corrupted (member {bad} fails its checksum)")
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """A DCP folder's ``.metadata`` read through the allow-list, its non-tensor values ``weights_only``."""
+    from .safe_dcp import UnsafeCheckpointError, check_values, load_metadata
+
+    try:
+        check_values(path.parent, load_metadata(path))
+    except (UnsafeCheckpointError, OSError) as error:
+        raise CheckpointError(str(error)) from error
+    except Exception as error:  # metadata of DCP's classes, holding values of unexpected types
+        raise CheckpointError(
+            f"{path.parent.name}/{path.name} is malformed ({type(error).__name__}: {error}); it is corrupted or crafted"
+        ) from error
+
+
+def _inside(src: Path, name: Any) -> Path:
+    """``src / name`` for a marker's file name; CheckpointError unless it is a relative path inside ``src``."""
+    path = src / name if isinstance(name, str) and name else None
+    if (
+        path is None
+        or Path(name).is_absolute()
+        or ".." in Path(name).parts
+        or not path.resolve().is_relative_to(src.resolve())
+    ):
+        raise CheckpointError(
+            f"{COMPLETE} lists {name!r}, which is not a file inside the checkpoint: corrupted or crafted"
+        )
+    return path
+
+
+def check_contents(directory: str | os.PathLike, kind: str | None) -> None:
+    """CheckpointError unless ``directory`` holds what a checkpoint of ``kind`` needs to be resumed from.
+
+    ``trainer``: ``trainer_state.json`` and the model's weights in one of :data:`WEIGHTS`; ``loop``: process 0's
+    random states (written by every ``save_state``). A marker alone, or a folder missing its weights, is not a
+    checkpoint, whatever its marker says.
+    """
+    src = Path(directory)
+    if kind == TRAINER:
+        missing = [] if (src / TRAINER_STATE).is_file() else [TRAINER_STATE]
+        if not any((src / name).is_file() for name in WEIGHTS):
+            missing.append("the model's weights (none of " + ", ".join(WEIGHTS) + ")")
+    elif kind == LOOP:
+        missing = [] if (src / LOOP_STATE).is_file() else [LOOP_STATE]
+    else:
+        return
+    if missing:
+        raise CheckpointError(f"is missing {' and '.join(missing)}: not a whole {kind} checkpoint")
+
+
+def verify(
+    directory: str | os.PathLike,
+    *,
+    require_marker: bool = True,
+    part: tuple[int, int] = (0, 1),
+    kind: str | None = None,
+) -> dict[str, Any]:
+    """Check a checkpoint: marker present and whole, file sizes and checksums as committed, the contents its kind
+    needs (``kind``, else the marker's), every file it loads readable safely.
+
+    ``part=(i, n)``: checksum only every n-th committed file from the i-th, so n processes share the reading.
+    """
+    src = Path(directory)
+    if src.is_symlink():
+        raise CheckpointError(
+            f"{src.name} is itself a symbolic link: a checkpoint is a plain folder (a link lets the loader read "
+            "files from anywhere, and rotation would delete what it points to); copy the folder instead"
+        )
+    marker = read_marker(src)
+    if marker is None:
+        if require_marker:
+            raise CheckpointError(f"no {COMPLETE} marker (missing, or interrupted while saving)")
+        marker = {}
+    check_contents(src, kind or marker.get("kind"))
+    for path in src.rglob("*"):  # rglob does not enter linked folders: their files would go unchecked
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path.relative_to(src)} is a symbolic link: a checkpoint holds plain files and folders only (a "
+                "link lets the loader read files nobody checked); replace it with what it points to"
+            )
+    files, crcs = marker.get("files") or {}, marker.get("crc32") or {}
+    for name, size in files.items():
+        path = _inside(src, name)
+        if not path.is_file():
+            raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
+    index, count = part
+    for name, expected in sorted(crcs.items())[index::count]:
+        if crc32(src / name) != expected:
+            raise CheckpointError(f"{name} does not match its checksum in {COMPLETE} (corrupted after it was written)")
+    for path in sorted(src.rglob("*")):
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            check_safetensors(path)
+        elif path.name == ".metadata":
+            check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
+        elif path.name == "latest":
+            check_deepspeed_latest(path)
+        elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
+            check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
+            check_deepspeed_file(path)
+        elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
+            check_torch_file(path)
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as error:
+                raise CheckpointError(f"{path.name} is not valid JSON ({error})") from error
+    return marker
