@@ -82,6 +82,19 @@ def sharded_logits(trainer: Trainer) -> torch.Tensor:
     return model(input_ids=IDS).logits.float().contiguous()
 
 
+def fsdp_units(model: torch.nn.Module) -> list[list[Any]]:
+    """Each FSDP2 unit: [module name, the requires_grad values of the parameters its state manages, how many]."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            params = [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
+            units.append([name, sorted({p.requires_grad for p in params}), len(params)])
+    return units
+
+
 def hf_reload_error(run: Path, expected: torch.Tensor) -> float:
     """Max |logits - expected| of a fresh base given the saved adapter by transformers' ``load_adapter``."""
     model = tiny_llama(0)
@@ -144,6 +157,7 @@ def main(out: str, strategy: str) -> None:
             "saved_keys": sorted(saved),
             "save_vs_memory": max_diff({k: v.float() for k, v in saved.items()}, adapter),
             "base_change": max_diff(frozen, initial),
+            "fsdp_units": fsdp_units(trainer.model_wrapped),
         }
         (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     trainer.accelerator.free_memory()

@@ -77,6 +77,14 @@ def test_lora_trains_saves_the_adapter_and_matches_one_process(
         resumed = max_diff(load_file(str(tmp_path / "resumed.safetensors")), adapter)
         print(f"LoRA {strategy}: max |resumed - uninterrupted| = {resumed:.2e}")
         assert resumed == 0.0
+    if strategy == "fsdp-resume":  # every unit manages trainable or frozen parameters, never both
+        units = result["fsdp_units"]
+        assert units and all(len(flags) == 1 for _, flags, _ in units), [u for u in units if len(u[1]) != 1]
+        lora_units = sorted(name for name, flags, _ in units if flags == [True])
+        assert lora_units and all(".lora_A." in n or ".lora_B." in n for n in lora_units), lora_units
+        assert len(lora_units) == sum(
+            1 for n, _ in lora_llama(0).named_modules() if n.endswith(("lora_A.default", "lora_B.default"))
+        )
     if strategy == "fsdp-resume":  # the sharded checkpoint holds the adapter only, under the model's own names
         sharded = json.loads((tmp_path / "checkpoint.json").read_text())["model_sharded"]
         assert sharded == sorted(k for k, p in lora_llama(0).named_parameters() if p.requires_grad), sharded[:3]
@@ -91,5 +99,6 @@ def test_an_adapter_added_through_transformers_is_saved_alone_under_fsdp(tmp_pat
     assert result["base_change"] == 0.0
     assert "adapter_model.safetensors" in result["files"] and "model.safetensors" not in result["files"]
     assert result["save_vs_memory"] == 0.0
+    assert all(len(flags) == 1 for _, flags, _ in result["fsdp_units"]), result["fsdp_units"]
     expected = load_file(str(tmp_path / "logits.safetensors"))["logits"]
     assert hf_reload_error(tmp_path / "run", expected) < 1e-5

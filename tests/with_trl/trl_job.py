@@ -2,6 +2,8 @@
 
     python -m tests.with_trl.trl_job --trainer sft --impl ours --out DIR [--max_steps 6] [--resume]
     python -m torch.distributed.run --nproc_per_node 2 -m tests.with_trl.trl_job ...
+    trainer-ext launch --cpu --num_processes 2 tests/with_trl/trl_job.py ...
+    python -m tests.with_trl.trl_job --trainer sft --impl ours --lora --out DIR   (peft_config=LoraConfig(...))
 
 The script is what a user writes from TRL's quick starts; the one line that differs between ``stock`` and ``ours`` is
 ``Trainer = adapt(Trainer)``. Rank 0 writes ``DIR/result.json`` (per-step losses, learning rates, the engine's class)
@@ -94,8 +96,9 @@ def model(kind: str, vocab_size: int, pad_id: int, seed: int = 0):  # noqa: ANN2
     return (LlamaForSequenceClassification if kind == "reward" else LlamaForCausalLM)(config)
 
 
-def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batch: int):  # noqa: ANN201
-    """The trainer a TRL quick start builds, with ``adapt`` as the only change for ``ours``."""
+def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batch: int, lora: bool = False):  # noqa: ANN201
+    """The trainer a TRL quick start builds, with ``adapt`` as the only change for ``ours``; ``lora``: TRL's PEFT
+    quick start, ``peft_config=LoraConfig(...)`` (TRL wraps the model itself)."""
     import trl
 
     tok = tokenizer()
@@ -121,6 +124,10 @@ def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batc
     kwargs = dict(model=model(kind, len(tok), pad), args=config(**common, **extra), train_dataset=dataset(kind))
     if kind == "dpo":
         kwargs["ref_model"] = model(kind, len(tok), pad)  # the same weights, frozen
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     return Trainer(processing_class=tok, **kwargs)
 
 
@@ -133,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save_steps", type=int, default=3)
     parser.add_argument("--per_device_train_batch_size", type=int, default=4)
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft_config=LoraConfig(...))")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import TrainerCallback
 
     trainer = build(
         options.trainer, options.impl, options.out, options.max_steps, options.save_steps,
-        options.per_device_train_batch_size,
+        options.per_device_train_batch_size, options.lora,
     )  # fmt: skip
     trained: list[int] = []  # the optimizer steps this run took (a resumed run starts after its checkpoint)
 
@@ -162,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "loss" in e
             },
             "final_step": trainer.state.global_step,
+            "model_type": type(trainer.model).__name__,
+            "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
             "trained_steps": trained,
             "files": sorted(str(f.relative_to(options.out)) for f in options.out.rglob("*") if f.is_file()),
         }

@@ -15,7 +15,12 @@ from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.cli.main import main
 from trainer_ext.distributed.fsdp_config import FSDPSettings, normalized_config, parse_fsdp
 from trainer_ext.distributed.state import DistState
-from trainer_ext.distributed.strategies.fsdp import FSDPStrategy, checkpoint_forward, layer_classes
+from trainer_ext.distributed.strategies.fsdp import (
+    FSDPStrategy,
+    checkpoint_forward,
+    layer_classes,
+    trainable_islands,
+)
 from trainer_ext.errors import ConfigError
 
 PRESETS = CONFIGS / "fsdp"
@@ -83,6 +88,28 @@ def test_wrap_units_by_layer_class_by_size_and_unknown_class() -> None:
     with pytest.raises(ConfigError, match="does not contain; its layer classes are: .*LlamaDecoderLayer"):
         FSDPStrategy(state, {"transformer_layer_cls_to_wrap": ["GPT2Block"]}).wrap_targets(model)
     assert "LlamaMLP" in layer_classes(model)
+
+
+def test_trainable_leaves_get_units_of_their_own_only_where_a_unit_would_mix() -> None:
+    """Frozen base + trainable q_proj (LoRA's shape): each trainable leaf becomes a unit, so no unit mixes;
+    an all-trainable or all-frozen model keeps exactly its layer units."""
+    model, state = tiny_llama(0), DistState(cpu=True)
+    targets = FSDPStrategy(state).wrap_targets(model)
+    assert trainable_islands(model, targets) == []  # all trainable: unchanged
+    for name, p in model.named_parameters():
+        p.requires_grad_("q_proj" in name)
+    islands = trainable_islands(model, targets)
+    assert {id(m) for m in islands} == {id(layer.self_attn.q_proj) for layer in model.model.layers}
+    assert trainable_islands(model, []) and len(trainable_islands(model, [])) == 2  # one unit (the root) mixes too
+    units = [*islands, *targets, model]
+    covered: set[int] = set()
+    for unit in units:  # what each unit manages: its parameters not in an earlier (inner) unit
+        own = [p for p in unit.parameters() if id(p) not in covered]
+        covered |= {id(p) for p in own}
+        assert len({p.requires_grad for p in own}) == 1, type(unit).__name__
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert trainable_islands(model, targets) == []
 
 
 def test_checkpointed_layers_give_the_same_gradients() -> None:

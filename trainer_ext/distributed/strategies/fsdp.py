@@ -64,7 +64,8 @@ def checkpoint_forward(module: torch.nn.Module) -> None:
 
 
 class FSDPStrategy(Strategy):
-    """Shards each wrap unit (decoder layers by default), then the root, with ``fully_shard``."""
+    """Shards each wrap unit (decoder layers by default), then the root, with ``fully_shard``; with frozen and
+    trainable parameters both (LoRA), trainable leaf modules first, so no unit mixes the two."""
 
     name = "fsdp"
     title = "FSDP"
@@ -167,7 +168,7 @@ class FSDPStrategy(Strategy):
         }
         if self.settings.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        for module in targets:
+        for module in trainable_islands(model, targets) + targets:
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         after = dict(model.named_parameters())
@@ -270,6 +271,43 @@ def _gradient_sync_off(model: FSDPModule) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def trainable_islands(model: torch.nn.Module, targets: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Leaf modules to shard on their own so that no unit mixes trainable and frozen parameters (LoRA).
+
+    A unit (each of ``targets``, then the root) manages the parameters of its subtree outside nested units. Where
+    those are partly frozen and partly trainable (PEFT's LoRA: frozen ``base_layer`` beside trainable ``lora_A`` /
+    ``lora_B``), each leaf module of it whose parameters are all trainable becomes a unit first, as peft's own FSDP
+    wrap policy does; its forward runs as the unit's, so its hooks gather it. A model whose parameters are all
+    trainable (or all frozen) gets none, so its units are unchanged. Parameters used outside their module's forward
+    (a ``ParameterDict``) or a module whose own parameters mix stay in the enclosing unit.
+    """
+    units = {id(m) for m in targets} | {id(model)}
+    islands: list[torch.nn.Module] = []
+
+    def members(unit: torch.nn.Module) -> list[torch.nn.Module]:
+        found, stack = [], list(unit.children())
+        while stack:
+            module = stack.pop()
+            if id(module) in units:
+                continue
+            found.append(module)
+            stack.extend(module.children())
+        return found
+
+    for unit in [*targets, model]:
+        inside = members(unit)
+        flags = {p.requires_grad for m in [unit, *inside] for p in m.parameters(recurse=False)}
+        if flags != {True, False}:
+            continue
+        for module in inside:
+            own = list(module.parameters(recurse=False))
+            leaf = next(module.children(), None) is None
+            containers = (torch.nn.ParameterDict, torch.nn.ParameterList)
+            if leaf and own and all(p.requires_grad for p in own) and not isinstance(module, containers):
+                islands.append(module)
+    return list({id(m): m for m in islands}.values())
 
 
 def _size_targets(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
