@@ -337,7 +337,8 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     # -- the step -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (accelerate's convention for ``accumulate``)."""
-        self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+        steps = self.gradient_accumulation_steps
+        self.engine.backward(loss if steps == 1 else loss / steps, **kwargs)  # x / 1 is x: one op less per step
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Backward and update in one for LOMO/AdaLomo optimizers (``lomo-optim``)."""
@@ -364,9 +365,12 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-batch: gradients sync (and optimizers/schedulers step) every N-th, and at the end of data."""
         self._do_sync()
+        if self.sync_gradients or not models:
+            yield
+            return
         sync_each_batch = self.use_distributed and self.gradient_state.plugin_kwargs.get("sync_each_batch", False)
         with contextlib.ExitStack() as stack:
-            if not (self.sync_gradients or sync_each_batch):
+            if not sync_each_batch:
                 for model in models:
                     stack.enter_context(self.engine.no_sync(model))
             yield

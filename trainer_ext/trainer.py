@@ -23,6 +23,7 @@ from .callbacks.run_summary import RunSummaryCallback
 from .distributed.engine import Engine
 from .errors import ConfigError
 from .exact_eval import ExactEvalLossMixin
+from .lean_step import LeanStepMixin
 from .trainer_checkpoints import CheckpointingMixin
 from .trainer_sharded import ShardedCheckpointMixin
 from .training_args import STOCK_TRAINING_ARGUMENTS, TrainingArguments
@@ -92,7 +93,9 @@ def _foreign_arguments(args: Any) -> str:
     )
 
 
-class Trainer(ExactEvalLossMixin, AutoBatchMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer):
+class Trainer(
+    ExactEvalLossMixin, AutoBatchMixin, LeanStepMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer
+):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:

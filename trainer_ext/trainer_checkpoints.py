@@ -49,7 +49,7 @@ class CheckpointingMixin:
             and getattr(self.args, "save_on_preemption", False)
         ):
             grace = getattr(self.args, "preemption_grace_seconds", 30.0)
-            every = getattr(self.args, "preemption_check_steps", 1)
+            every = getattr(self.args, "preemption_check_steps", None)
             found = PreemptionCallback(grace, every)
             handler.add_duty(found)
         self._preemption = found

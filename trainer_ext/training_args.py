@@ -68,9 +68,15 @@ class TrainingArguments(transformers.TrainingArguments):
         default=75,
         metadata={"help": "Exit code after the checkpoint saved on SIGTERM/SIGUSR1 (75 = EX_TEMPFAIL, retry later)."},
     )
-    preemption_check_steps: int = field(
-        default=1,
-        metadata={"help": "Agree across ranks on a received preemption signal every N optimizer steps."},
+    preemption_check_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Agree across ranks on a received preemption signal every N optimizer steps (a small collective). "
+                "Default: every step on one process; on several, about every 2 seconds of training (N follows the "
+                "slowest rank's step time) and at the last step."
+            )
+        },
     )
     save_final_model: bool = field(
         default=False,

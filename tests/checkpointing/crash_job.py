@@ -3,7 +3,8 @@
 ``trainer-ext launch -m tests.checkpointing.crash_job OUT MODE [STRATEGY]`` (STRATEGY ``ddp``, the default,
 ``fsdp`` or ``deepspeed``): MODE ``full`` trains uninterrupted; ``crash`` SIGKILLs rank 1 at step 5 in the first
 attempt only (TORCHELASTIC_RESTART_COUNT=0); ``die`` SIGKILLs rank 1 at step 3 every time; ``preempt`` sends
-SIGUSR1 to rank 1 at step 3. Every mode resumes with ``"auto"``; rank 0 writes the
+SIGUSR1 to rank 1 at step 3 with the ranks agreeing on it every step; ``preempt_auto`` the same with the default
+agreement interval (about every 2 s of training, and at the last step). Every mode resumes with ``"auto"``; rank 0 writes the
 final weights and the checkpoint it resumed from.
 """
 
@@ -49,7 +50,9 @@ def main(out: str, mode: str, strategy: str = "ddp") -> None:
         "crash": Fault(5, signal.SIGKILL, once=True),
         "die": Fault(3, signal.SIGKILL, once=False),
         "preempt": Fault(3, signal.SIGUSR1, once=False),
+        "preempt_auto": Fault(3, signal.SIGUSR1, once=False),
     }
+    check_steps = {"preempt": 1}.get(mode)
     args = make_args(
         out,
         save_strategy="steps",
@@ -57,6 +60,7 @@ def main(out: str, mode: str, strategy: str = "ddp") -> None:
         num_train_epochs=2,
         ddp_timeout=30,
         save_on_preemption=True,
+        preemption_check_steps=check_steps,
         **STRATEGIES[strategy],
     )
     trainer = Trainer(

@@ -83,3 +83,15 @@ def test_a_signal_on_one_rank_makes_every_rank_save_and_exit_75(tmp_path: Path, 
     assert body["world_size"] == 2
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(body["files"])
     assert not (tmp_path / "checkpoint-4").exists()
+
+
+def test_by_default_the_ranks_agree_on_a_signal_without_a_collective_every_step(tmp_path: Path) -> None:
+    """The default interval: the signal of step 3 is acted on at a later agreed step, the same on both ranks."""
+    proc, _ = _launch(tmp_path, "preempt_auto")
+    assert proc.returncode == 75, proc.stderr[-5000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*") if (p / COMPLETE).is_file())
+    preempted = [step for step in saved if step >= 3]
+    assert len(preempted) == 1 and 3 <= preempted[0] <= 24, saved  # 2 epochs of 12 steps: the last step checks
+    body = json.loads((tmp_path / f"checkpoint-{preempted[0]}" / COMPLETE).read_text())
+    assert body["world_size"] == 2
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(body["files"])

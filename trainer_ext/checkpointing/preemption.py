@@ -1,8 +1,12 @@
 """Preemption: SIGTERM/SIGUSR1 → every rank saves a checkpoint at the next step boundary, then exits.
 
-The signal handler only sets a flag. At each step end the flag is reduced (max) across ranks, so one
+The signal handler only sets a flag. At agreed step ends the flag is reduced (max) across ranks, so one
 rank's signal makes all ranks save the same step. Training stops after that save and ``train()`` raises
 :class:`Preempted` (a ``SystemExit``) with a distinct exit code that a requeue script can test for.
+
+On several ranks the reduction is a collective, so it does not run at every step: by default the ranks agree about
+every :data:`AUTO_INTERVAL_SECONDS` (the slowest rank's step time rides on the same reduction and sets the next
+check), and always at the last step, so a signal is acted on within that interval plus one step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ logger = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # EX_TEMPFAIL (sysexits.h): "try again later" — distinct from crashes (1), signals (128+n) and success (0)
 DEFAULT_EXIT_CODE = 75
+# on several ranks: seconds of training between two agreements on the flag (a tenth of the grace time if shorter)
+AUTO_INTERVAL_SECONDS = 2.0
+MAX_CHECK_STEPS = 10_000
 
 
 class Preempted(SystemExit):
@@ -54,39 +61,76 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-def _agreed(flag: bool, group: Any = None) -> bool:
-    """True when any rank has the flag set: a one-element max all-reduce of a CPU tensor (no device sync)."""
+def _agreed(flag: bool, step_seconds: float, group: Any = None) -> tuple[bool, float]:
+    """(any rank has the flag, the slowest rank's step time): one max all-reduce of a CPU tensor, no device sync."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return flag, step_seconds
+    value = torch.tensor([1.0 if flag else 0.0, step_seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+    return bool(value[0] > 0), float(value[1])
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def steps_between_checks(step_seconds: float, interval_seconds: float) -> int:
+    """Optimizer steps that take about ``interval_seconds`` at ``step_seconds`` each (1 to MAX_CHECK_STEPS)."""
+    if step_seconds <= 0:
+        return 1
+    return max(1, min(MAX_CHECK_STEPS, round(interval_seconds / step_seconds)))
 
 
 class PreemptionCallback(TrainerCallback):
-    """Turns a received SIGTERM/SIGUSR1 into save-and-stop at the next step boundary on every rank."""
+    """Turns a received SIGTERM/SIGUSR1 into save-and-stop at an agreed step boundary on every rank.
 
-    def __init__(self, grace_seconds: float, check_every: int = 1) -> None:
+    ``check_every`` agrees every N optimizer steps; None (the default) adapts N to the step time on several ranks
+    (about every ``AUTO_INTERVAL_SECONDS``, at most a tenth of ``grace_seconds``) and checks every step on one.
+    """
+
+    def __init__(self, grace_seconds: float, check_every: int | None = None) -> None:
         self.flag = PreemptionFlag()
         self._group: Any = None
         self.grace_seconds = grace_seconds
-        self.check_every = max(1, check_every)
+        self.check_every = None if check_every is None else max(1, check_every)
+        self.interval_seconds = min(AUTO_INTERVAL_SECONDS, grace_seconds / 10)
         self.preempted_at: int | None = None
+        self._next_check: int | None = None  # None: at the next step end
+        self._last_check: tuple[int, float] | None = None  # (step, time) of the previous agreement
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.preempted_at = None
-        # NCCL runs get a gloo side group from the distributed state, so the per-step flag check never syncs the GPU
+        self.preempted_at, self._next_check, self._last_check = None, None, None
+        # NCCL runs get a gloo side group from the distributed state, so the flag check never syncs the GPU
         state = getattr(args, "distributed_state", None)
         self._group = state.host_group() if state is not None else None
         if not self.flag.install():
             logger.warning("preemption signals are not caught: training does not run in the main thread")
 
+    def _due(self, state, control) -> bool:
+        """Whether this step end agrees on the flag: the same answer on every rank (steps, not clocks, decide)."""
+        if self.check_every is not None:
+            return state.global_step % self.check_every == 0 or control.should_training_stop
+        if self._next_check is None or control.should_training_stop or state.global_step >= state.max_steps:
+            return True
+        return state.global_step >= self._next_check
+
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.check_every:
-            return control  # every rank skips the same steps: the reduction stays collective
-        if not _agreed(self.flag.signum is not None, self._group):
+        if not self._due(state, control):
+            return control
+        now = time.monotonic()
+        step_seconds = 0.0
+        if self._last_check is not None and state.global_step > self._last_check[0]:
+            step_seconds = (now - self._last_check[1]) / (state.global_step - self._last_check[0])
+        signalled, slowest = _agreed(self.flag.signum is not None, step_seconds, self._group)
+        self._last_check = (state.global_step, now)
+        if self.check_every is None:  # every rank computes the same N from the same reduced step time
+            every = steps_between_checks(slowest, self.interval_seconds) if _several_ranks() else 1
+            self._next_check = state.global_step + every
+        if not signalled:
             return control
         if self.flag.signum is not None:
             waited = time.monotonic() - self.flag.received_at
