@@ -3,9 +3,7 @@
     python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--torch_compile] [--json out.json]
 
 Runners: a plain PyTorch loop (the reference), ``trainer_ext.Accelerator`` in a hand-written loop,
-``trainer_ext.Trainer``, and transformers' stock Trainer when accelerate happens to be installed; with
-``--fsdp`` (the default for ``gpu-1b``) also both Trainers with FSDP2 on one process (``torch.distributed.run
---nproc_per_node 1``), so the cost of the sharded path shows against the same plain loop.
+``trainer_ext.Trainer``, and transformers' stock Trainer when accelerate happens to be installed.
 Each runner does the same work per optimizer step (forward, backward, clip to 1.0, AdamW, linear LR
 schedule, zero_grad) on the same batches. Every run is a fresh subprocess of this script, so peak
 memory and time to the first step are the runner's own; runners are interleaved and the best of
@@ -34,11 +32,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=2048, intermediate_size=5632, layers=22, heads=32, vocab=32000, seq=2048, batch=4, steps=30
     ),
 }
-RUNNERS = ("plain", "accelerator", "trainer", "stock-trainer", "trainer-fsdp", "stock-trainer-fsdp")
-FSDP_RUNNERS = ("trainer-fsdp", "stock-trainer-fsdp")
-FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
-# transformers' own fsdp_config for the same sharding as the preset (FSDP2, one unit per decoder layer)
-STOCK_FSDP_CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True}
+RUNNERS = ("plain", "accelerator", "trainer", "stock-trainer")
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -204,7 +198,6 @@ def run_trainer(
     bf16: bool,
     compile_model: bool = False,
     stock: bool = False,
-    fsdp: bool = False,
 ) -> dict[str, float]:
     import transformers
 
@@ -217,11 +210,8 @@ def run_trainer(
 
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     optim = "adamw_torch_fused" if device.type == "cuda" else "adamw_torch"
-    extra: dict[str, Any] = {}
-    if fsdp:  # FSDP2 with one unit per decoder layer, in each Trainer's own config format
-        extra = {"fsdp": "full_shard", "fsdp_config": STOCK_FSDP_CONFIG if stock else str(FSDP_PRESET)}
     started = time.perf_counter()  # set-up: arguments, engine and Trainer (the model and data are built already)
-    args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model, **extra)
+    args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model)
     trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
     setup = time.perf_counter() - started
     trainer.train()
@@ -247,8 +237,6 @@ def _child(opts: argparse.Namespace) -> None:
         "accelerator": run_accelerator,
         "trainer": run_trainer,
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
-        "trainer-fsdp": lambda *a: run_trainer(*a, fsdp=True),
-        "stock-trainer-fsdp": lambda *a: run_trainer(*a, stock=True, fsdp=True),
     }[opts.child]
     result = runner(cfg, steps, opts.warmup, device, bf16, opts.torch_compile)
     if device.type == "cuda":
@@ -258,8 +246,7 @@ def _child(opts: argparse.Namespace) -> None:
     result["tokens_per_s"] = result["steps_per_s"] * cfg["batch"] * cfg["seq"]
     result["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["mfu"] = _mfu(cfg, result["tokens_per_s"], result["device"], bf16)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result))
+    print(json.dumps(result))
 
 
 def _mfu(cfg: dict[str, Any], tokens_per_s: float, device: str, bf16: bool) -> float | None:
@@ -292,9 +279,7 @@ def child_env() -> dict[str, str]:
 
 
 def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
-    # FSDP needs a process group: one process under torch.distributed.run
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if name in FSDP_RUNNERS else []
-    cmd = [sys.executable, *launcher, *child_args("benchmarks.run", name, opts)]
+    cmd = [sys.executable, *child_args("benchmarks.run", name, opts)]
     env = child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -325,13 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the config's)")
     parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the rate")
     parser.add_argument("--repeats", type=int, default=3, help="best of N interleaved runs per runner")
-    parser.add_argument("--runners", default=None, help="comma-separated subset of " + ", ".join(RUNNERS))
-    parser.add_argument(
-        "--fsdp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also run both Trainers with FSDP2 on one process (default: on for gpu-1b)",
-    )
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ", ".join(RUNNERS))
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
     parser.add_argument("--torch_compile", action="store_true", help="torch.compile the model in every runner")
@@ -341,11 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.child:
         _child(opts)
         return {}
-    if opts.runners is None:
-        fsdp = opts.fsdp if opts.fsdp is not None else opts.config == "gpu-1b"
-        runners = [r for r in RUNNERS if fsdp or r not in FSDP_RUNNERS]
-    else:
-        runners = [r.strip() for r in opts.runners.split(",") if r.strip()]
+    runners = [r.strip() for r in opts.runners.split(",") if r.strip()]
     unknown = sorted(set(runners) - set(RUNNERS))
     if unknown:
         parser.error(f"unknown runner: {', '.join(unknown)} (known: {', '.join(RUNNERS)})")
