@@ -21,6 +21,7 @@ _EXPORTS = {
     "GradientAccumulationPlugin": "trainer_ext.accelerator_options",
     "KwargsHandler": "trainer_ext.accelerator_options",
     "DistributedDataParallelKwargs": "trainer_ext.accelerator_options",
+    "DDPCommunicationHookType": "trainer_ext.accelerator_options",
     "GradScalerKwargs": "trainer_ext.accelerator_options",
     "InitProcessGroupKwargs": "trainer_ext.accelerator_options",
     "AutocastKwargs": "trainer_ext.accelerator_options",

@@ -40,6 +40,7 @@ class CheckpointsMixin:
     step: int
     num_processes: int
     is_main_process: bool
+    is_local_main_process: bool
     project_dir: str | None
     project_configuration: Any
     _schedulers: list[Any]
@@ -63,9 +64,17 @@ class CheckpointsMixin:
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         return self.engine.get_state_dict(model, unwrap=unwrap)
 
+    def _writes_saves(self) -> bool:
+        """Whether this process writes ``save``/``save_model`` files: the main process, or with
+        ``ProjectConfiguration(save_on_each_node=True)`` each node's local main process (accelerate's rule)."""
+        if self.project_configuration.save_on_each_node:
+            return bool(self.is_local_main_process)
+        return bool(self.is_main_process)
+
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Save ``obj`` from the main process only: ``torch.save``, or safetensors for a dict of tensors."""
-        if not self.is_main_process:
+        """Save ``obj`` from the main process only (each node's, under ``save_on_each_node``): ``torch.save``, or
+        safetensors for a dict of tensors."""
+        if not self._writes_saves():
             return
         if not safe_serialization:
             torch.save(obj, f)
@@ -86,7 +95,8 @@ class CheckpointsMixin:
         max_shard_size: str | int = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process.
+        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process (each
+        node's with ``save_on_each_node``).
 
         All ranks call it; a sharded model is gathered by its strategy (FSDP: one tensor at a time, never whole on
         one rank; DeepSpeed ZeRO-3: gathered and checked complete).
@@ -98,7 +108,8 @@ class CheckpointsMixin:
                 "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
             )
 
-        self.engine.export_model(self.unwrap_model(model, keep_torch_compile=False), save_directory, max_shard_size)
+        unwrapped = self.unwrap_model(model, keep_torch_compile=False)
+        self.engine.export_model(unwrapped, save_directory, max_shard_size, writer=self._writes_saves())
         self.wait_for_everyone()
 
     def register_for_checkpointing(self, *objects: Any) -> None:

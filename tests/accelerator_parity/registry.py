@@ -1,7 +1,7 @@
 """The scenarios, as plain data (listing them imports neither torch nor an implementation).
 
-Each scenario is a function of the same name in ``scenarios_train`` or ``scenarios_misc``; a run plays its phases in
-order, each phase a fresh launch of every rank (a resumed run is a new process, as after a real interruption).
+Each scenario is a function of the same name in ``scenarios_train``, ``scenarios_data`` or ``scenarios_misc``; a run
+plays its phases in order, each phase a fresh launch of every rank (a resumed run is a new process, as after a real interruption).
 """
 
 from __future__ import annotations
@@ -37,4 +37,9 @@ SCENARIOS: dict[str, Spec] = {
     "join_uneven_inputs": Spec(("dataloader_config", "override")),
     "save_model": Spec(),
     "kwargs_handlers": Spec(),
+    "iterable_dataset": Spec(("dispatch", "read_by_every_rank")),
+    "split_batches": Spec(),
+    "dispatch_batches": Spec(),
+    "resume_iterable": Spec(RESUME, ours_only=("resumed_by_load_state",)),
+    "resume_iterable_read_by_every_rank": Spec(RESUME, ours_only=("resumed_by_load_state",)),
 }

@@ -58,3 +58,13 @@ def test_a_record_is_on_disk_after_every_observation(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["steps"] == [2.5] and record["broken"]["error"]["type"] == "ZeroDivisionError"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json"]
+
+
+def test_stream_repeats_kept_by_stock_are_allowed_only_read_by_every_rank_on_two_processes() -> None:
+    ids = "read_by_every_rank.ranks[0].eval_stream[0].ids: 16 items in stock [0, 1], 13 in ours [0, 1]"
+    dispatched = "dispatch.ranks[0].eval_stream[0].ids: 16 items in stock [0, 1], 13 in ours [0, 1]"
+    loss = "read_by_every_rank.ranks[0].epochs[0].loss[3]: stock 2.83, ours 2.41 (rel. tolerance 1e-06)"
+    report = _report("iterable_dataset", 2, ids, dispatched, loss)
+    assert report.failures == [dispatched, loss]
+    assert _report("iterable_dataset", 1, ids).failures == [ids]
+    assert _report("plain", 2, ids).failures == [ids]

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_and_deterministic()
     import torch
 
-    from . import scenarios_misc, scenarios_train
+    from . import scenarios_data, scenarios_misc, scenarios_train
     from .api import Api
     from .workload import Context, Recorder, error
 
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     outdir = Path(options.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(int(os.environ.get("RANK", "0")), outdir, Path(options.workdir))
-    script = getattr(scenarios_train, options.scenario, None) or getattr(scenarios_misc, options.scenario)
+    modules = (scenarios_train, scenarios_data, scenarios_misc)
+    script = next(getattr(m, options.scenario) for m in modules if hasattr(m, options.scenario))
     try:
         api = Api(options.impl)
         recorder.put("set_seed_from", api.set_seed_from)

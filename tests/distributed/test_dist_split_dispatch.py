@@ -25,7 +25,6 @@ from trainer_ext.distributed.data import (
     TrackedDataLoader,
     shard_dataloader,
 )
-from trainer_ext.distributed.split import rank_rows
 from trainer_ext.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -172,7 +171,16 @@ def test_iterable_shards_see_one_process_batches(n: int, ws: int, split: bool) -
     assert loaders[0].remainder == k and steps[-1][:k] == one[-1]
     last = [p[-1] for p in per_rank]
     assert len({len(part) for part in last}) == 1  # equal parts, so that they can be gathered
-    assert len(last[0]) == min(k, total // ws)  # the real rows fit on as few ranks as possible
+    assert len(last[0]) == total // ws  # accelerate completes the last group: every rank gets a full batch
+
+
+def test_iterable_shard_completes_a_short_group_like_accelerate() -> None:
+    """3 samples, batch 4 on 2 ranks: the group [0, 1, 2] is repeated up to 8 samples (accelerate 1.15's rows)."""
+    assert [_lists(_loader(Stream(3), 4, 2, r)) for r in range(2)] == [[[0, 1, 2, 0]], [[1, 2, 0, 1]]]
+    assert [_lists(_loader(Stream(9), 4, 2, r)) for r in range(2)] == [
+        [[0, 1, 2, 3], [8, 0, 1, 2]],
+        [[4, 5, 6, 7], [3, 4, 5, 6]],
+    ]
 
 
 def test_iterable_shard_pads_from_the_first_rows_and_drops_with_drop_last() -> None:
@@ -251,20 +259,6 @@ def test_dispatch_needs_device_placement() -> None:
         _loader(Indices(8), 2, 2, 0, dispatch_batches=True)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 12, 15, 16, 31])
-@pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_rank_rows_of_a_short_batch(n: int, ws: int) -> None:
-    """Equal parts; the real rows first, in rank order; as few ranks as possible hold them."""
-    cap = 4
-    parts = [rank_rows(n, True, ws, r, cap) for r in range(ws)]
-    sizes = {len(range(n)[real]) + missing for real, missing, _ in parts}
-    assert sizes == {min(n, cap)}
-    real_rows = [i for real, _, _ in parts for i in range(n)[real]]
-    assert real_rows == list(range(min(n, ws * cap)))
-    offsets = [offset for real, missing, offset in parts if missing]
-    assert offsets == sorted(offsets)
-
-
 @pytest.mark.parametrize("n", [0, 3, 8, 13, 16])
 @pytest.mark.parametrize("split", [False, True])
 def test_dispatch_rank_zero_side(n: int, split: bool) -> None:
@@ -279,8 +273,8 @@ def test_dispatch_rank_zero_side(n: int, split: bool) -> None:
         assert mine == whole[: total // 2]
     if one:
         k = len(one[-1])
-        assert got[-1] == one[-1][: min(k, total // 2)]  # a short batch: the real rows on rank 0 first
-        assert loader.remainder == (k if k < total else -1)
+        assert got[-1] == one[-1][: -(-k // 2)]  # accelerate: k // 2 rows each, one more when 2 does not divide k
+        assert loader.remainder == k
 
 
 def test_dispatch_len_and_total_batch_size() -> None:

@@ -26,7 +26,7 @@ from .dispatch import DispatchedDataLoader
 from .iterable import IterableDatasetShard, IterableShardLoader
 from .shuffle import PassOrder, give_generator, synchronize_rng_states
 from .split import check_split
-from .tracking import TrackedDataLoader, TrackedIteration
+from .tracking import IteratedPosition, TrackedDataLoader, TrackedIteration
 
 __all__ = [
     "BatchSamplerShard",
@@ -453,8 +453,10 @@ def _seeded(batch_sampler: Any, seed: int) -> Any:
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """Skip this rank's first ``num_batches`` batches: by index for a sharded loader (nothing is loaded), by
-    reading them for the others (dispatched or iterable loaders: every rank still takes part in each batch)."""
-    if isinstance(dataloader, ShardedDataLoader):
+    reading them for the others (dispatched or iterable loaders: every rank still takes part in each batch).
+
+    On a prepared loader it replaces the position ``load_state`` restored, so the batches are skipped once."""
+    if isinstance(dataloader, (ShardedDataLoader, IteratedPosition)):
         return dataloader.skip(num_batches)
     import itertools
 

@@ -2,10 +2,10 @@
 
 A global batch is ``W`` consecutive batches of the wrapped loader joined together, or one batch with
 ``split_batches``; rank 0 broadcasts it and each rank keeps its contiguous ``1/W`` of the rows. The data is read
-once, which is what a stream (an iterable dataset) needs. The short last global batch of ``k`` real rows is
-packed in rank order, ``min(k, per-rank size)`` rows per rank, and completed with rows from the epoch's first
-batch: the padding comes last in the gathered rows, so ``remainder = k`` lets ``gather_for_metrics`` drop it,
-and when the ``k`` rows fit on rank 0 the Trainer's repeated per-batch losses are cut back exactly.
+once, which is what a stream (an iterable dataset) needs. As in accelerate's ``DataLoaderDispatcher``, the last
+global batch of ``k`` rows is cut evenly, ``k // W`` rows per rank, or when ``W`` does not divide ``k``,
+``k // W + 1`` rows of it followed by the first ``W`` rows of the epoch's first batch (``even_batches`` plays no
+part): the padding comes last in the gathered rows, so ``remainder = k`` lets ``gather_for_metrics`` drop it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ..errors import ConfigError
 from .accumulation import GradientState
 from .batches import allocate, batch_size, copy_rows, describe, join, take
 from .collectives import broadcast, broadcast_object_list, send_to_device
-from .split import rank_rows
 from .tracking import IteratedPosition, TrackedIteration
 
 
@@ -75,8 +74,8 @@ class DispatchedDataLoader(IteratedPosition, TrackedIteration, DataLoader):
             return -1
         return -1 if self._drop_last or not total else length % total
 
-    def _read(self, raw: Iterator[Any]) -> tuple[Any, bool] | None:
-        """Rank 0 reads the next global batch and every rank receives it: (batch, short), or None at the end.
+    def _read(self, raw: Iterator[Any]) -> tuple[Any] | None:
+        """Rank 0 reads the next global batch and every rank receives it: ``(batch,)``, or None at the end.
 
         A failure on rank 0 is sent to the other ranks too, so that none of them waits for a batch forever.
         """
@@ -90,9 +89,7 @@ class DispatchedDataLoader(IteratedPosition, TrackedIteration, DataLoader):
                     parts = []
                 if parts:
                     batch = send_to_device(_joined(parts), self.device)
-                    n, full = batch_size(batch) or 0, self.total_batch_size
-                    short = len(parts) < want or n % self.num_processes != 0 or (full is not None and n < full)
-                    header[0] = ("batch", describe(batch), short)
+                    header[0] = ("batch", describe(batch))
                 else:
                     header[0] = ("end",)
             except Exception as error:
@@ -108,28 +105,27 @@ class DispatchedDataLoader(IteratedPosition, TrackedIteration, DataLoader):
             return None
         if self.process_index != 0:
             batch = allocate(header[0][1], self.device)
-        return broadcast(batch), header[0][2]
+        return (broadcast(batch),)
 
     def _source(self) -> Iterator[Any]:
         # every rank creates the wrapped iterator (it draws a base seed from the global RNG): ranks stay in step
         raw = super()._source()
         ws, rank = self.num_processes, self.process_index
-        first = None  # the epoch's first rows: padding for a short last batch
-        while (received := self._read(raw)) is not None:
-            batch, short = received
+        first = None  # the epoch's first rows: padding for an uneven last batch
+        received = self._read(raw)
+        while received is not None:
+            batch = received[0]
+            upcoming = self._read(raw)  # one ahead, as accelerate: the last batch is known when it is cut
             n = batch_size(batch) or 0
-            full = self.total_batch_size
-            cap = full // ws if full else -(-n // ws)
-            if first is None:
-                first = copy_rows(take(batch, slice(0, cap)))
-            real, missing, offset = rank_rows(n, short, ws, rank, cap)
-            part = take(batch, real)
-            if missing:
-                m = batch_size(first) or 1
-                part = join([part, take(first, [(offset + j) % m for j in range(missing)])])
-            if short:
+            if first is None and not self._drop_last:
+                first = copy_rows(take(batch, slice(0, ws)))
+            per, last = n // ws, upcoming is None
+            if last and not self._drop_last and n % ws:
+                batch, per = join([batch, first]), per + 1
+            if last:
                 self.remainder = n
-            yield part
+            yield take(batch, slice(rank * per, (rank + 1) * per))
+            received = upcoming
 
 
 def _joined(parts: list[Any]) -> Any:

@@ -302,12 +302,16 @@ class Engine:
         return self.strategy.full_state_dict(model)
 
     def export_model(
-        self, model: torch.nn.Module, directory: str | os.PathLike, max_shard_size: str | int = "10GB"
+        self,
+        model: torch.nn.Module,
+        directory: str | os.PathLike,
+        max_shard_size: str | int = "10GB",
+        writer: bool | None = None,
     ) -> None:
-        """All ranks: the consolidated model as safetensors, written by the main process (the one save path)."""
-        self.strategy.export_model(
-            model, directory, max_shard_size=max_shard_size, is_main_process=self.state.is_main_process
-        )
+        """All ranks: the consolidated model as safetensors, written by the main process (the one save path), or by
+        the processes for which ``writer`` is True (one per node under ``save_on_each_node``)."""
+        writes = self.state.is_main_process if writer is None else writer
+        self.strategy.export_model(model, directory, max_shard_size=max_shard_size, is_main_process=writes)
 
     # -- what has been prepared (in preparation order) ---------------------------------------------
     @property

@@ -1,9 +1,9 @@
 """Iterable datasets read by every rank (accelerate's ``IterableDatasetShard``, ``dispatch_batches=False``).
 
 Every rank reads the whole stream, groups it in global batches of ``W·b`` samples (``b`` with
-``split_batches``) and keeps its contiguous share of each. A short last group is kept unless ``drop_last``:
-like a dispatched one it is packed in rank order, ``min(k, per-rank size)`` samples per rank, and completed
-with the epoch's first samples. Each sample travels with the number of real samples in its group, so that the
+``split_batches``) and keeps its contiguous share of each. A short last group is kept unless ``drop_last``: as
+in accelerate, it is completed to a whole group by repeating the epoch's first group (or itself, when it is the
+first), so every rank gets a full batch. Each sample travels with the number of real samples in its group, so that the
 loader knows ``remainder`` even when worker processes read the stream.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .accumulation import GradientState
-from .split import check_split, rank_rows
+from .split import check_split
 from .tracking import IteratedPosition, TrackedIteration
 
 
@@ -50,26 +50,26 @@ class IterableDatasetShard(IterableDataset):
     def __len__(self) -> int:
         """Samples on this rank (a ``TypeError`` when the stream has no length, as for any iterable)."""
         full, k = divmod(len(self.dataset), self.global_batch_size)
-        return full * self.per_rank + (0 if self.drop_last or not k else min(k, self.per_rank))
+        return (full + int(bool(k) and not self.drop_last)) * self.per_rank
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
-        size, ws, rank = self.global_batch_size, self.num_processes, self.process_index
+        size, rank = self.global_batch_size, self.process_index
         mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
-        first: list[Any] = []  # the epoch's first samples: padding for a short last group
+        first: list[Any] = []  # the epoch's first group: padding for a short last group
         group: list[Any] = []
         for sample in self.dataset:
             group.append(sample)
             if len(group) == size:
-                first = first or group[: self.per_rank]
+                first = first or group
                 yield from ((s, size) for s in group[mine])
                 group = []
         if not group or self.drop_last:
             return
         k = len(group)
-        first = first or group[: self.per_rank]
-        real, missing, offset = rank_rows(k, True, ws, rank, self.per_rank)
-        yield from ((s, k) for s in group[real])
-        yield from ((first[(offset + j) % len(first)], k) for j in range(missing))
+        first = first or list(group)
+        while len(group) < size:
+            group += first
+        yield from ((s, k) for s in group[mine])
 
 
 class _TaggedCollate:

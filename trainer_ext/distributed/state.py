@@ -34,15 +34,23 @@ from ..errors import ConfigError
 
 
 class DistributedType(str, Enum):
-    """How the processes cooperate; the values match accelerate's so transformers' comparisons hold."""
+    """How the processes cooperate: accelerate 1.15's members and values, so scripts' and transformers' comparisons
+    hold (we select NO, MULTI_CPU, MULTI_GPU, DEEPSPEED or FSDP; the others exist to be compared against)."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    MULTI_MPS = "MULTI_MPS"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
     DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
     XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 @dataclass(frozen=True)

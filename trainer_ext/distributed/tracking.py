@@ -136,6 +136,35 @@ class IteratedPosition:
         for name in ("_iter_epoch", "_iter_skip"):
             self.__dict__.pop(name, None)
 
+    def skip(self, num_batches: int) -> SkippingPass:
+        """This loader starting each pass after its first ``num_batches`` batches (read and dropped).
+
+        It replaces a position restored by ``load_state`` (accelerate's resume calls both: the batches are skipped
+        once, not twice); iterating this loader itself afterwards reads the next epoch in full.
+        """
+        self.pending_skip = 0
+        return SkippingPass(self, int(num_batches))
+
+
+class SkippingPass:
+    """A loader with resume-by-reading whose every pass skips its first ``num_batches`` batches (``skip_first_batches``).
+
+    Attributes are the wrapped loader's; its position (``state_dict``) counts the skipped batches as read.
+    """
+
+    def __init__(self, loader: IteratedPosition, num_batches: int) -> None:
+        self.loader, self.num_batches = loader, num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        self.loader.pending_skip = self.num_batches  # replaces, never adds to, a restored position
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.num_batches)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
 
 class TrackedDataLoader(IteratedPosition, TrackedIteration, DataLoader):
     """An unsharded loader (an iterable dataset on one process) that still reports where it is.
