@@ -32,7 +32,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=2048, intermediate_size=5632, layers=22, heads=32, vocab=32000, seq=2048, batch=4, steps=30
     ),
 }
-RUNNERS = ("plain", "accelerator", "trainer", "stock-trainer")
+RUNNERS = ("plain", "plain-tokens", "accelerator", "trainer", "stock-trainer")
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -146,8 +146,16 @@ def tick_callback(clock: _Clock, device: Any) -> Any:
 
 
 def run_plain(
-    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
+    cfg: dict[str, Any],
+    steps: int,
+    warmup: int,
+    device: Any,
+    bf16: bool,
+    compile_model: bool = False,
+    count_tokens: bool = False,
 ) -> dict[str, float]:
+    """The reference loop; ``count_tokens`` also normalises the loss by the batch's token count as transformers'
+    Trainer does (``num_items_in_batch``: a summed loss divided by the labels' count, another kernel path)."""
     import torch
     from transformers import get_linear_schedule_with_warmup
 
@@ -162,8 +170,9 @@ def run_plain(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        extra = {"num_items_in_batch": batch["labels"][..., 1:].ne(-100).sum()} if count_tokens else {}
         with autocast:
-            loss = model(**batch).loss
+            loss = model(**batch, **extra).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -234,6 +243,7 @@ def _child(opts: argparse.Namespace) -> None:
     bf16 = opts.bf16 if opts.bf16 is not None else device.type == "cuda"
     runner = {
         "plain": run_plain,
+        "plain-tokens": lambda *a: run_plain(*a, count_tokens=True),
         "accelerator": run_accelerator,
         "trainer": run_trainer,
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
@@ -333,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if name not in results or r["steps_per_s"] > results[name]["steps_per_s"]:
                 results[name] = r
     base = results["plain"]["steps_per_s"] if "plain" in results else None
+    # the Trainers normalise the loss by the token count (transformers' rule): plain-tokens does the same work
+    tokens_base = results["plain-tokens"]["steps_per_s"] if "plain-tokens" in results else None
     cfg = CONFIGS[opts.config]
     device = next(iter(results.values()))["device"]
     print(
@@ -341,17 +353,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + (" torch.compile" if opts.torch_compile else "")
     )
     header = (
-        f"{'runner':18} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'peak MB':>9} {'first step s':>12} "
-        f"{'set-up s':>8} {'MFU':>6}"
+        f"{'runner':18} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs tokens':>9} {'peak MB':>9} "
+        f"{'first step s':>12} {'set-up s':>8} {'MFU':>6}"
     )
     print(header)
     for name, r in results.items():
         r["ratio_to_plain"] = r["steps_per_s"] / base if base else None
         ratio = f"{r['ratio_to_plain']:.3f}" if base else "-"
+        trainer = "trainer" in name
+        r["ratio_to_plain_tokens"] = r["steps_per_s"] / tokens_base if tokens_base and trainer else None
+        vs_tokens = f"{r['ratio_to_plain_tokens']:.3f}" if r["ratio_to_plain_tokens"] else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         setup = f"{r['setup_s']:.3f}" if "setup_s" in r else "-"
         print(
-            f"{name:18} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
+            f"{name:18} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} {vs_tokens:>9} "
             f"{r['peak_memory_mb']:9.0f} {r['first_step_s']:12.2f} {setup:>8} {mfu:>6}"
         )
     imports = import_times()

@@ -40,7 +40,7 @@ from benchmarks.run import (  # noqa: E402
 )
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-FRAMEWORKS = ("raw", "accelerator", "trainer")
+FRAMEWORKS = ("raw", "raw-tokens", "accelerator", "trainer")
 FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
 DS_PRESETS = {
     "zero2": ROOT / "configs" / "deepspeed" / "zero2.json",
@@ -99,8 +99,20 @@ def _loader(data: Any, batch: int, rank: int, world: int) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler)
 
 
-def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
-    """The reference: a hand-written loop straight on the engine, no trainer_ext."""
+def _token_count(batch: dict[str, Any]) -> dict[str, Any]:
+    """transformers' loss normalisation: the labels counted over every rank (an all-reduce), the loss scaled back."""
+    import torch.distributed as dist
+
+    items = batch["labels"][..., 1:].ne(-100).sum()
+    dist.all_reduce(items)
+    return {"num_items_in_batch": items}
+
+
+def run_raw(
+    strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, count_tokens: bool = False
+) -> _Clock:
+    """The reference: a hand-written loop straight on the engine, no trainer_ext. ``count_tokens`` normalises the
+    loss by the token count of every rank, as transformers' Trainer does (``average_tokens_across_devices``)."""
     import torch
     import torch.distributed as dist
     from transformers import get_linear_schedule_with_warmup
@@ -135,15 +147,17 @@ def run_raw(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device:
         )
         for batch in loader:
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss
+            extra = _token_count(batch) if count_tokens else {}
+            loss = model(**batch, **extra).loss * (world if count_tokens else 1)
             model.backward(loss)
             model.step()  # clips, steps the optimizer and the scheduler, zeroes the gradients
             clock.tick(_sync_fn(device))
         return clock
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
+        extra = _token_count(batch) if count_tokens else {}
         with autocast:
-            loss = model(**batch).loss
+            loss = model(**batch, **extra).loss * (world if count_tokens else 1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -210,7 +224,12 @@ def _child(opts: argparse.Namespace) -> None:
     steps = opts.steps or cfg["steps"]
     bf16 = opts.bf16 if opts.bf16 is not None else use_cuda
     framework, strategy = opts.child.split(":")
-    runner = {"raw": run_raw, "accelerator": run_accelerator, "trainer": run_trainer}[framework]
+    runner = {
+        "raw": run_raw,
+        "raw-tokens": lambda *a: run_raw(*a, count_tokens=True),
+        "accelerator": run_accelerator,
+        "trainer": run_trainer,
+    }[framework]
     clock = runner(strategy, cfg, steps, opts.warmup, device, bf16)
     if use_cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -304,15 +323,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"rank) ranks={opts.nproc} device={device} steps={opts.steps or cfg['steps']} warmup={opts.warmup} "
         f"best of {opts.repeats}"
     )
-    print(f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'peak MB/rank':>13}")
+    print(
+        f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs tokens':>9} "
+        f"{'peak MB/rank':>13}"
+    )
     for name, r in results.items():
         framework, strategy = name.split(":")
         base = results.get(f"raw:{strategy}")
         r["ratio_to_raw"] = r["steps_per_s"] / base["steps_per_s"] if base else None
         ratio = f"{r['ratio_to_raw']:.3f}" if base else "-"
+        # the Trainer normalises the loss by every rank's token count: raw-tokens does that work too
+        tokens = results.get(f"raw-tokens:{strategy}") if framework == "trainer" else None
+        r["ratio_to_raw_tokens"] = r["steps_per_s"] / tokens["steps_per_s"] if tokens else None
+        vs_tokens = f"{r['ratio_to_raw_tokens']:.3f}" if tokens else "-"
         print(
             f"{strategy:9} {framework:12} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
-            f"{r['peak_memory_mb']:13.0f}"
+            f"{vs_tokens:>9} {r['peak_memory_mb']:13.0f}"
         )
     report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
     if opts.json:
