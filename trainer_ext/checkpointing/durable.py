@@ -32,16 +32,21 @@ def _fsync(fd: int, path: Path) -> None:
         ) from error
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename, creation or removal inside ``path`` durable (no-op where directories cannot be opened)."""
+def _fsync_path(path: Path, skip: type[OSError]) -> None:
+    """fsync the file or folder at ``path``; one that cannot be opened with ``skip`` is left alone."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except skip:
         return
     try:
         _fsync(fd, path)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename, creation or removal inside ``path`` durable (no-op where directories cannot be opened)."""
+    _fsync_path(path, OSError)
 
 
 def _is_main() -> bool:
@@ -76,14 +81,7 @@ def flush_tree(folder: Path, *, rank: int | None = None, main: bool | None = Non
         owner = writer_rank(str(path.relative_to(folder)))
         if (owner is None and not main) or (owner is not None and owner != rank):
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            _fsync(fd, path)
-        finally:
-            os.close(fd)
+        _fsync_path(path, FileNotFoundError)  # a file another rank removed meanwhile needs nothing
     fsync_dir(folder)
 
 
