@@ -249,6 +249,11 @@ def _child(opts: argparse.Namespace) -> None:
         }
         print(json.dumps(result), flush=True)
     dist.barrier()
+    # a gloo group still alive at interpreter exit can abort the process ("terminate called without an active
+    # exception"): every runner, the raw loops included, lets go of it here (DeepSpeed's references too)
+    from trainer_ext.distributed.state import destroy_process_group
+
+    destroy_process_group()
 
 
 def _free_port() -> int:
