@@ -87,6 +87,7 @@ def two(out: Path) -> None:
             probe = torch.tensor([[5, 6, 7, 8, 9, 10]])
             with torch.no_grad():
                 result["logits"] = trainer.model_wrapped(input_ids=probe).logits.tolist()
+            result["unsharded_after_forward"] = unsharded_after_forward(trainer.model_wrapped, probe)
         del trainer
 
     bf16, result["losses"]["bf16"] = train(out / "bf16", FSDP, bf16=True)  # bf16 parameters in forward/backward
@@ -116,6 +117,21 @@ def two(out: Path) -> None:
         for name, values in tensors.items():
             save_file({k: v.contiguous() for k, v in values.items()}, str(out / f"{name}.safetensors"))
         (out / "results.json").write_text(json.dumps(result, indent=1))
+
+
+def unsharded_after_forward(model: torch.nn.Module, probe: torch.Tensor) -> dict[str, bool]:
+    """Which units keep their parameters gathered between forward and backward (FSDP2 registers the unsharded
+    parameters then): the root should, as torch's default has it, so backward needs no second all-gather."""
+    from torch.distributed.tensor import DTensor
+
+    logits = model(input_ids=probe).logits
+    kept = {
+        "root": not isinstance(model.lm_head.weight, DTensor),
+        "layer": not isinstance(model.model.layers[0].mlp.down_proj.weight, DTensor),
+    }
+    logits.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return kept
 
 
 def trainer_export(trainer: Trainer, folder: Path) -> dict:

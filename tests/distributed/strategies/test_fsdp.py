@@ -58,6 +58,13 @@ def test_each_rank_stores_half_of_the_parameters(two_ranks: Path) -> None:
     assert storage["local"] / storage["full"] == pytest.approx(0.5, abs=0.01)
 
 
+def test_the_root_stays_gathered_from_forward_to_backward(two_ranks: Path) -> None:
+    """reshard_after_forward frees each layer after its forward; the root (embeddings, head) is needed first in
+    backward, so it stays gathered (torch's default for the root): one all-gather fewer per step."""
+    kept = json.loads((two_ranks / "results.json").read_text())["unsharded_after_forward"]
+    assert kept == {"root": True, "layer": False}
+
+
 def test_sharded_resume_equals_uninterrupted(two_ranks: Path) -> None:
     results = json.loads((two_ranks / "results.json").read_text())
     assert results["resume_steps"] == [16, 16]
