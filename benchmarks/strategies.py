@@ -216,6 +216,8 @@ def _child(opts: argparse.Namespace) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if os.environ.get("BENCH_PIN"):
+        os.sched_setaffinity(0, {local_rank % os.cpu_count()})
     use_cuda = torch.cuda.is_available() and not opts.cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:

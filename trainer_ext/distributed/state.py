@@ -11,6 +11,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -175,17 +176,29 @@ def choose_device(topology: Topology, cpu: bool = False) -> torch.device:
     return torch.device("cpu")
 
 
+# how long the main thread lets go of the GIL after a destroy, so gloo's worker threads can drop their last works
+# (they need microseconds; the margin is for a loaded machine)
+GLOO_DRAIN_SECONDS = 0.1
+
+
 def destroy_process_group() -> None:
     """Destroy the default group and let go of every group DeepSpeed still refers to (as its own destroy does).
 
-    A gloo group whose last reference outlives the destroy (DeepSpeed's module globals) is freed at interpreter
-    teardown, where its worker threads can abort the process (SIGABRT, "terminate called without an active exception").
+    A gloo group whose last reference outlives the destroy (DeepSpeed's module globals, a DDP reducer, a device
+    mesh) keeps its worker threads. A worker frees a finished collective's tensors after the caller's ``wait``
+    has returned, and freeing a tensor that Python also knew takes the GIL: if the interpreter is already being
+    torn down by then, the thread dies inside a destructor and the process aborts (SIGABRT, "terminate called
+    without an active exception"; gdb shows ``~AsyncWork`` in ``ProcessGroupGloo::runLoop``). So: collect the
+    cycles that hold groups first, and give those threads a moment with the GIL free after the destroy.
     """
+    gc.collect()
     dist.destroy_process_group()
     groups = sys.modules.get("deepspeed.utils.groups")  # imported only where DeepSpeed ran
     release = getattr(groups, "_release_process_group_references", None)
     if release is not None:
         release(group=None)
+    gc.collect()
+    time.sleep(GLOO_DRAIN_SECONDS)  # gloo serves CPU tensors under NCCL too (our host group), so always
 
 
 class DistState:
@@ -247,7 +260,6 @@ class DistState:
 
     def _destroy_at_exit(self) -> None:
         if self.owns_process_group and dist.is_initialized():
-            gc.collect()
             destroy_process_group()
         self.owns_process_group = False
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -471,7 +470,6 @@ def saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], se
 
 def _destroy_group() -> None:
     if torch.distributed.is_initialized():
-        gc.collect()
         destroy_process_group()
 
 
