@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--config tiny] [--steps N] [--repeats R] [--json out.json]
 
-A shortcut for ``python -m benchmarks.run --runners plain,plain-tokens,trainer,stock-trainer``; see benchmarks/run.py.
+A shortcut for ``python -m benchmarks.run --runners plain,plain-hf,trainer,stock-trainer``; see benchmarks/run.py.
 """
 
 from __future__ import annotations
@@ -15,4 +15,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.run import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(["--runners", "plain,plain-tokens,trainer,stock-trainer", *sys.argv[1:]])
+    main(["--runners", "plain,plain-hf,trainer,stock-trainer", *sys.argv[1:]])

@@ -35,12 +35,13 @@ from benchmarks.run import (  # noqa: E402
     accelerator_loop,
     child_args,
     child_env,
+    hf_param_groups,
     tick_callback,
     trainer_arguments,
 )
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-FRAMEWORKS = ("raw", "raw-tokens", "accelerator", "trainer")
+FRAMEWORKS = ("raw", "raw-hf", "accelerator", "trainer")
 FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
 DS_PRESETS = {
     "zero2": ROOT / "configs" / "deepspeed" / "zero2.json",
@@ -109,10 +110,11 @@ def _token_count(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_raw(
-    strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, count_tokens: bool = False
+    strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, hf_rules: bool = False
 ) -> _Clock:
-    """The reference: a hand-written loop straight on the engine, no trainer_ext. ``count_tokens`` normalises the
-    loss by the token count of every rank, as transformers' Trainer does (``average_tokens_across_devices``)."""
+    """The reference: a hand-written loop straight on the engine, no trainer_ext. ``hf_rules`` adds what
+    transformers' Trainer does by its own rules: the loss normalised by the token count of every rank
+    (``average_tokens_across_devices``) and the optimizer's two parameter groups."""
     import torch
     import torch.distributed as dist
     from transformers import get_linear_schedule_with_warmup
@@ -136,7 +138,8 @@ def run_raw(
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         autocast = torch.autocast(device.type, enabled=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=_fused(strategy, device))
+    params = hf_param_groups(model) if hf_rules else model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=_fused(strategy, device))
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
     if strategy.startswith("zero"):
         import deepspeed
@@ -147,17 +150,17 @@ def run_raw(
         )
         for batch in loader:
             batch = {k: v.to(device) for k, v in batch.items()}
-            extra = _token_count(batch) if count_tokens else {}
-            loss = model(**batch, **extra).loss * (world if count_tokens else 1)
+            extra = _token_count(batch) if hf_rules else {}
+            loss = model(**batch, **extra).loss * (world if hf_rules else 1)
             model.backward(loss)
             model.step()  # clips, steps the optimizer and the scheduler, zeroes the gradients
             clock.tick(_sync_fn(device))
         return clock
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        extra = _token_count(batch) if count_tokens else {}
+        extra = _token_count(batch) if hf_rules else {}
         with autocast:
-            loss = model(**batch, **extra).loss * (world if count_tokens else 1)
+            loss = model(**batch, **extra).loss * (world if hf_rules else 1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -216,8 +219,6 @@ def _child(opts: argparse.Namespace) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if os.environ.get("BENCH_PIN"):
-        os.sched_setaffinity(0, {local_rank % os.cpu_count()})
     use_cuda = torch.cuda.is_available() and not opts.cpu
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -228,7 +229,7 @@ def _child(opts: argparse.Namespace) -> None:
     framework, strategy = opts.child.split(":")
     runner = {
         "raw": run_raw,
-        "raw-tokens": lambda *a: run_raw(*a, count_tokens=True),
+        "raw-hf": lambda *a: run_raw(*a, hf_rules=True),
         "accelerator": run_accelerator,
         "trainer": run_trainer,
     }[framework]
@@ -331,21 +332,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"best of {opts.repeats}"
     )
     print(
-        f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs tokens':>9} "
-        f"{'peak MB/rank':>13}"
+        f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB/rank':>13}"
     )
     for name, r in results.items():
         framework, strategy = name.split(":")
         base = results.get(f"raw:{strategy}")
         r["ratio_to_raw"] = r["steps_per_s"] / base["steps_per_s"] if base else None
         ratio = f"{r['ratio_to_raw']:.3f}" if base else "-"
-        # the Trainer normalises the loss by every rank's token count: raw-tokens does that work too
-        tokens = results.get(f"raw-tokens:{strategy}") if framework == "trainer" else None
-        r["ratio_to_raw_tokens"] = r["steps_per_s"] / tokens["steps_per_s"] if tokens else None
-        vs_tokens = f"{r['ratio_to_raw_tokens']:.3f}" if tokens else "-"
+        # the Trainer follows transformers' rules (token-count loss, two parameter groups): raw-hf does that too
+        hf = results.get(f"raw-hf:{strategy}") if framework == "trainer" else None
+        r["ratio_to_raw_hf"] = r["steps_per_s"] / hf["steps_per_s"] if hf else None
+        vs_hf = f"{r['ratio_to_raw_hf']:.3f}" if hf else "-"
         print(
             f"{strategy:9} {framework:12} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
-            f"{vs_tokens:>9} {r['peak_memory_mb']:13.0f}"
+            f"{vs_hf:>6} {r['peak_memory_mb']:13.0f}"
         )
     report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
     if opts.json:
