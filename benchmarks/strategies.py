@@ -5,7 +5,8 @@
 
 For each strategy the same model and batches are trained by a hand-written loop on the raw engine (the
 reference: torch ``DistributedDataParallel``, FSDP2 ``fully_shard`` per decoder layer, or
-``deepspeed.initialize``), by ``trainer_ext.Accelerator`` and by ``trainer_ext.Trainer``, each in its own
+``deepspeed.initialize``), by ``trainer_ext.Accelerator``, by ``trainer_ext.Trainer`` and, where accelerate is
+installed, by transformers' own Trainer with the same settings (``stock-trainer``), each in its own
 ``torch.distributed.run`` launch on CPU/gloo (CUDA/NCCL when present and ``--cpu`` is not given). Every
 runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
 The table gives steps/s, the ratio to the raw loop of the same strategy, and the peak resident memory of the
@@ -16,6 +17,7 @@ the sharded engines pay for communication that DDP does not).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -41,7 +43,7 @@ from benchmarks.run import (  # noqa: E402
 )
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-FRAMEWORKS = ("raw", "raw-hf", "accelerator", "trainer")
+FRAMEWORKS = ("raw", "raw-hf", "accelerator", "trainer", "stock-trainer")
 FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
 DS_PRESETS = {
     "zero2": ROOT / "configs" / "deepspeed" / "zero2.json",
@@ -186,13 +188,29 @@ def run_accelerator(strategy: str, cfg: dict[str, Any], steps: int, warmup: int,
     return clock
 
 
-def run_trainer(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool) -> _Clock:
-    """``trainer_ext.Trainer`` with the strategy's preset, as ``trainer-ext train`` would run it."""
+# transformers' own FSDP2 settings for the same units as FSDP_PRESET (its fsdp_config reads JSON, not YAML)
+STOCK_FSDP_CONFIG = {
+    "version": 2,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    "reshard_after_forward": True,
+}
+
+
+def run_trainer(
+    strategy: str, cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, stock: bool = False
+) -> _Clock:
+    """``trainer_ext.Trainer`` with the strategy's preset, as ``trainer-ext train`` would run it; ``stock``:
+    transformers' own Trainer (accelerate underneath) with the same settings, launched the same way."""
     clock = _Clock(warmup)
-    from trainer_ext import Trainer, TrainingArguments
+    if stock:
+        from transformers import Trainer, TrainingArguments
+    else:
+        from trainer_ext import Trainer, TrainingArguments
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model, data = _model_and_data(cfg, steps * cfg["batch"] * world)
+    fsdp_config = (STOCK_FSDP_CONFIG if stock else str(FSDP_PRESET)) if strategy == "fsdp" else None
     args = trainer_arguments(
         TrainingArguments,
         cfg,
@@ -201,7 +219,7 @@ def run_trainer(strategy: str, cfg: dict[str, Any], steps: int, warmup: int, dev
         bf16,
         optim="adamw_torch_fused" if _fused(strategy, device) else "adamw_torch",
         fsdp="full_shard" if strategy == "fsdp" else "",
-        fsdp_config=str(FSDP_PRESET) if strategy == "fsdp" else None,
+        fsdp_config=fsdp_config,
         deepspeed=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
     )
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
@@ -232,6 +250,7 @@ def _child(opts: argparse.Namespace) -> None:
         "raw-hf": lambda *a: run_raw(*a, hf_rules=True),
         "accelerator": run_accelerator,
         "trainer": run_trainer,
+        "stock-trainer": lambda *a: run_trainer(*a, stock=True),
     }[framework]
     clock = runner(strategy, cfg, steps, opts.warmup, device, bf16)
     if use_cuda:
@@ -312,11 +331,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown strategy or framework: {', '.join(unknown)}")
     if any(s.startswith("zero") for s in strategies):
-        import importlib.util
-
         if importlib.util.find_spec("deepspeed") is None:
             print("deepspeed is not installed: skipping zero2/zero3 (pip install -e '.[deepspeed]')")
             strategies = [s for s in strategies if not s.startswith("zero")]
+    if "stock-trainer" in frameworks and importlib.util.find_spec("accelerate") is None:
+        print("accelerate is not installed: skipping transformers' own Trainer (stock-trainer)")
+        frameworks = [f for f in frameworks if f != "stock-trainer"]
     names = [f"{f}:{s}" for s in strategies for f in frameworks]
     results: dict[str, dict[str, Any]] = {}
     for _ in range(opts.repeats):
@@ -332,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"best of {opts.repeats}"
     )
     print(
-        f"{'strategy':9} {'runner':12} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB/rank':>13}"
+        f"{'strategy':9} {'runner':13} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB/rank':>13}"
     )
     for name, r in results.items():
         framework, strategy = name.split(":")
@@ -340,11 +360,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["ratio_to_raw"] = r["steps_per_s"] / base["steps_per_s"] if base else None
         ratio = f"{r['ratio_to_raw']:.3f}" if base else "-"
         # the Trainer follows transformers' rules (token-count loss, two parameter groups): raw-hf does that too
-        hf = results.get(f"raw-hf:{strategy}") if framework == "trainer" else None
+        hf = results.get(f"raw-hf:{strategy}") if framework.endswith("trainer") else None
         r["ratio_to_raw_hf"] = r["steps_per_s"] / hf["steps_per_s"] if hf else None
         vs_hf = f"{r['ratio_to_raw_hf']:.3f}" if hf else "-"
         print(
-            f"{strategy:9} {framework:12} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
+            f"{strategy:9} {framework:13} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
             f"{vs_hf:>6} {r['peak_memory_mb']:13.0f}"
         )
     report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
