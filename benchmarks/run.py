@@ -1,6 +1,7 @@
 """The benchmark suite: one model, one data set, trained by each runner; a table of speed and memory.
 
-    python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--torch_compile] [--json out.json]
+    python -m benchmarks.run [--config tiny|small|gpu-1b] [--steps N] [--repeats R] [--torch_compile] [--fsdp]
+                             [--json out.json]
 
 Runners: a plain PyTorch loop (the reference), ``trainer_ext.Accelerator`` in a hand-written loop,
 ``trainer_ext.Trainer``, and transformers' stock Trainer when accelerate happens to be installed.
@@ -8,6 +9,11 @@ Each runner does the same work per optimizer step (forward, backward, clip to 1.
 schedule, zero_grad) on the same batches. Every run is a fresh subprocess of this script, so peak
 memory and time to the first step are the runner's own; runners are interleaved and the best of
 ``--repeats`` is kept, which makes the ratios robust to machine noise.
+
+``--fsdp``: every runner trains under FSDP2 on one process (a process group of world size 1, each child started by
+``torch.distributed.run``): the plain loops shard each decoder layer and the root with ``fully_shard`` themselves,
+the Accelerator and trainer_ext's Trainer take ``configs/fsdp/full_shard.yaml``, transformers' Trainer its own
+``fsdp_config`` of the same settings.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +40,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 RUNNERS = ("plain", "plain-hf", "accelerator", "trainer", "stock-trainer")
+FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
+# transformers' Trainer (through accelerate) with the preset's settings: FSDP2, one unit per decoder layer (its
+# fsdp_config reads JSON, not YAML)
+STOCK_FSDP_CONFIG = {
+    "version": 2,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    "reshard_after_forward": True,
+}
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -95,6 +111,43 @@ def hf_param_groups(model: Any) -> list[dict[str, Any]]:
         {"params": [p for n, p in named if n in decay], "weight_decay": 0.0},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
+
+
+def shard_model(model: Any, bf16: bool) -> Any:
+    """FSDP2 as a hand-written loop applies it: ``fully_shard`` on each decoder layer, then the root; bf16
+    parameters in forward/backward when ``bf16`` (in place of autocast), gradients reduced in float32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_args(nproc: int) -> list[str]:
+    """``-m torch.distributed.run`` for ``nproc`` processes meeting on loopback at a free port."""
+    return [
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+    ]
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    """The result a child printed: its last stdout line that is a JSON object (a launcher may print around it)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
 
 
 def _sync_fn(device: Any) -> Any:
@@ -168,24 +221,31 @@ def run_plain(
     device: Any,
     bf16: bool,
     compile_model: bool = False,
+    fsdp: bool = False,
     hf_rules: bool = False,
 ) -> dict[str, float]:
     """The reference loop. ``hf_rules`` adds the work transformers' Trainer does by its own rules, whoever runs it:
     the loss normalised by the batch's token count (``num_items_in_batch``: a summed loss divided by the labels'
-    count, another kernel path) and the optimizer's two parameter groups."""
+    count, another kernel path) and the optimizer's two parameter groups. ``fsdp``: the model sharded by
+    :func:`shard_model` on the process group of this one process."""
     import torch
+    import torch.distributed as dist
     from transformers import get_linear_schedule_with_warmup
 
     clock = _Clock(warmup)
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     model.to(device).train()
+    if fsdp:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        shard_model(model, bf16)
     if compile_model:
         model.compile()
     loader = torch.utils.data.DataLoader(data, batch_size=cfg["batch"], pin_memory=device.type == "cuda")
     params = hf_param_groups(model) if hf_rules else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, steps)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)  # FSDP: its policy
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         extra = {"num_items_in_batch": batch["labels"][..., 1:].ne(-100).sum()} if hf_rules else {}
@@ -201,14 +261,24 @@ def run_plain(
 
 
 def run_accelerator(
-    cfg: dict[str, Any], steps: int, warmup: int, device: Any, bf16: bool, compile_model: bool = False
+    cfg: dict[str, Any],
+    steps: int,
+    warmup: int,
+    device: Any,
+    bf16: bool,
+    compile_model: bool = False,
+    fsdp: bool = False,
 ) -> dict[str, float]:
 
     clock = _Clock(warmup)  # the framework's import is part of its time to the first step
     from trainer_ext import Accelerator
 
     started = time.perf_counter()
-    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if bf16 else "no")
+    accelerator = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision="bf16" if bf16 else "no",
+        fsdp_config=str(FSDP_PRESET) if fsdp else None,
+    )
     setup = time.perf_counter() - started
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     if compile_model:
@@ -224,6 +294,7 @@ def run_trainer(
     device: Any,
     bf16: bool,
     compile_model: bool = False,
+    fsdp: bool = False,
     stock: bool = False,
 ) -> dict[str, float]:
     import transformers
@@ -237,8 +308,11 @@ def run_trainer(
 
     model, data = _model_and_data(cfg, steps * cfg["batch"])
     optim = "adamw_torch_fused" if device.type == "cuda" else "adamw_torch"
+    sharding = {}
+    if fsdp:
+        sharding = {"fsdp": "full_shard", "fsdp_config": STOCK_FSDP_CONFIG if stock else str(FSDP_PRESET)}
     started = time.perf_counter()  # set-up: arguments, engine and Trainer (the model and data are built already)
-    args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model)
+    args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model, **sharding)
     trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
     setup = time.perf_counter() - started
     trainer.train()
@@ -266,7 +340,7 @@ def _child(opts: argparse.Namespace) -> None:
         "trainer": run_trainer,
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
     }[opts.child]
-    result = runner(cfg, steps, opts.warmup, device, bf16, opts.torch_compile)
+    result = runner(cfg, steps, opts.warmup, device, bf16, opts.torch_compile, opts.fsdp)
     if device.type == "cuda":
         result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -274,7 +348,16 @@ def _child(opts: argparse.Namespace) -> None:
     result["tokens_per_s"] = result["steps_per_s"] * cfg["batch"] * cfg["seq"]
     result["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["mfu"] = _mfu(cfg, result["tokens_per_s"], result["device"], bf16)
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if opts.fsdp:
+        # a gloo group alive at interpreter exit can abort the process ("terminate called without an active
+        # exception"): every runner lets go of its group of one here
+        import torch.distributed as dist
+
+        from trainer_ext.distributed.state import destroy_process_group
+
+        if dist.is_initialized():
+            destroy_process_group()
 
 
 def _mfu(cfg: dict[str, Any], tokens_per_s: float, device: str, bf16: bool) -> float | None:
@@ -296,6 +379,8 @@ def child_args(module: str, name: str, opts: argparse.Namespace) -> list[str]:
         args.append("--cpu")
     if getattr(opts, "torch_compile", False):
         args.append("--torch_compile")
+    if getattr(opts, "fsdp", False):
+        args.append("--fsdp")
     if opts.bf16 is not None:
         args.append("--bf16" if opts.bf16 else "--no-bf16")
     return args
@@ -307,12 +392,14 @@ def child_env() -> dict[str, str]:
 
 
 def _run_child(name: str, opts: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, *child_args("benchmarks.run", name, opts)]
+    """One runner in a fresh interpreter; under ``--fsdp`` a launched one (a process group of world size 1)."""
+    launcher = torchrun_args(1) if opts.fsdp else []
+    cmd = [sys.executable, *launcher, *child_args("benchmarks.run", name, opts)]
     env = child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"runner {name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"runner {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return last_json(proc.stdout)
 
 
 def import_times() -> dict[str, float]:
@@ -342,6 +429,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even with a GPU")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
     parser.add_argument("--torch_compile", action="store_true", help="torch.compile the model in every runner")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="every runner under FSDP2 on one process (torchrun, world size 1)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -369,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"config={opts.config} ({cfg['layers']}x{cfg['hidden_size']}, seq {cfg['seq']}, batch {cfg['batch']}) "
         f"device={device} steps={opts.steps or cfg['steps']} warmup={opts.warmup} best of {opts.repeats}"
         + (" torch.compile" if opts.torch_compile else "")
+        + (" FSDP2 (1 process, fully_shard per layer + root)" if opts.fsdp else "")
     )
     header = (
         f"{'runner':18} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB':>9} "
@@ -394,6 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": opts.config,
         "device": device,
         "torch_compile": opts.torch_compile,
+        "fsdp": opts.fsdp,
         "results": results,
         "import_s": imports,
     }

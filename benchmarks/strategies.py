@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.run import (  # noqa: E402
     CONFIGS,
+    FSDP_PRESET,
+    STOCK_FSDP_CONFIG,
     _Clock,
     _model_and_data,
     _sync_fn,
@@ -38,13 +39,15 @@ from benchmarks.run import (  # noqa: E402
     child_args,
     child_env,
     hf_param_groups,
+    last_json,
+    shard_model,
     tick_callback,
+    torchrun_args,
     trainer_arguments,
 )
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 FRAMEWORKS = ("raw", "raw-hf", "accelerator", "trainer", "stock-trainer")
-FSDP_PRESET = ROOT / "configs" / "fsdp" / "full_shard.yaml"
 DS_PRESETS = {
     "zero2": ROOT / "configs" / "deepspeed" / "zero2.json",
     "zero3": ROOT / "configs" / "deepspeed" / "zero3.json",
@@ -133,12 +136,7 @@ def run_raw(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     elif strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        shard_model(model, bf16)
         autocast = torch.autocast(device.type, enabled=False)
     params = hf_param_groups(model) if hf_rules else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=_fused(strategy, device))
@@ -186,15 +184,6 @@ def run_accelerator(strategy: str, cfg: dict[str, Any], steps: int, warmup: int,
     model, data = _model_and_data(cfg, steps * cfg["batch"] * accelerator.num_processes)
     accelerator_loop(accelerator, model, data, cfg, steps, clock, device)
     return clock
-
-
-# transformers' own FSDP2 settings for the same units as FSDP_PRESET (its fsdp_config reads JSON, not YAML)
-STOCK_FSDP_CONFIG = {
-    "version": 2,
-    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-    "reshard_after_forward": True,
-}
 
 
 def run_trainer(
@@ -278,28 +267,15 @@ def _child(opts: argparse.Namespace) -> None:
     destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
-    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={opts.nproc}", "--master_addr=127.0.0.1"]
-    cmd = [
-        sys.executable,
-        *launcher,
-        f"--master_port={_free_port()}",
-        *child_args("benchmarks.strategies", name, opts),
-    ]
+    cmd = [sys.executable, *torchrun_args(opts.nproc), *child_args("benchmarks.strategies", name, opts)]
     env = child_env()
     env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not _has_cuda() else "cuda")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"runner {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])
+    return last_json(proc.stdout)
 
 
 def _has_cuda() -> bool:

@@ -18,7 +18,7 @@ from transformers.training_args import ParallelMode
 from . import _compat
 from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .distributed.fsdp_config import fsdp_requested, normalized_config, parse_fsdp
-from .distributed.rules import check_precision, check_world
+from .distributed.rules import check_precision, claim_world
 from .distributed.state import DistributedType, DistState
 from .distributed.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
@@ -147,7 +147,7 @@ class TrainingArguments(transformers.TrainingArguments):
             self.mixed_precision = "fp8"
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
         if self.fsdp_plugin_args is not None:
-            check_world(self.world_size, "fsdp")
+            self._claim_world("fsdp")
         self.hf_deepspeed_config = self._deepspeed_config() if self.deepspeed else None
 
     def _deepspeed_config(self) -> DeepSpeedConfig:
@@ -264,16 +264,29 @@ class TrainingArguments(transformers.TrainingArguments):
             timeout=timedelta(seconds=self.ddp_timeout),
         )
         self.distributed_state = state
-        if state.device.type == "cuda":
-            # one GPU per process; several GPUs in one process use nn.DataParallel (transformers' own path)
-            self._n_gpu = 1 if state.use_distributed else torch.cuda.device_count()
-        else:
-            self._n_gpu = 0
+        self._count_gpus()
         return state.device
+
+    def _claim_world(self, strategy: str) -> None:
+        """The strategy's rules for this state's processes, and the process group it needs (FSDP on one launched
+        process joins a group of world size 1, so ``parallel_mode`` is DISTRIBUTED as under accelerate)."""
+        claim_world(self.distributed_state, strategy)
+        self._count_gpus()
+
+    def _count_gpus(self) -> None:
+        """One GPU per process in a process group; several GPUs in one process use nn.DataParallel (transformers')."""
+        state = self.distributed_state
+        if state.device.type != "cuda":
+            self._n_gpu = 0
+        elif state.distributed_type != DistributedType.NO:
+            self._n_gpu = 1
+        else:
+            self._n_gpu = torch.cuda.device_count()
 
     @property
     def parallel_mode(self) -> ParallelMode:
-        """DISTRIBUTED for several processes; NOT_DISTRIBUTED for DataParallel; else NOT_PARALLEL."""
+        """DISTRIBUTED for several processes (or one in a process group: FSDP); NOT_DISTRIBUTED for DataParallel;
+        else NOT_PARALLEL."""
         state = getattr(self, "distributed_state", None)
         if state is not None and state.distributed_type != DistributedType.NO:
             return ParallelMode.DISTRIBUTED

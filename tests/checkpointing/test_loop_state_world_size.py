@@ -3,8 +3,8 @@
 The global batch is the same on 1, 2 and 3 processes (per-device 2 x accumulation 6 / 3 / 2): a resumed run must
 read the rest of the data the uninterrupted run reads, step by step, and end with its weights. fp32 on the CPU: the
 averages over ranks and over micro-batches add in another order, so the weights agree within 1e-5 (measured
-about 2e-7), not bitwise. DDP and single resume from whole files, FSDP2 through DCP resharding (FSDP needs 2
-processes or more: its 1-process resume is a plain model loading the shards); DeepSpeed refuses.
+about 2e-7), not bitwise. DDP and single resume from whole files, FSDP2 through DCP resharding (its 1-process
+resume here is a plain model loading the shards); DeepSpeed refuses.
 """
 
 from __future__ import annotations

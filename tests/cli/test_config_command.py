@@ -158,7 +158,6 @@ def test_validate_checks_the_fsdp_settings(gpus, tmp_path, capsys):
     assert f"{bad}: 1 problem(s)" in out
     assert "sharding_strategy NO_SHARD replicates the whole model" in out
     assert "unknown key 'fsdp_auto_wrap_polcy'. Did you mean 'auto_wrap_policy'" in out
-    one = tmp_path / "one.yaml"
+    one = tmp_path / "one.yaml"  # one FSDP process is launched through torchrun: a process group of one
     one.write_text(yaml.safe_dump({**FSDP_NO_SHARD, "num_processes": 1, "fsdp_config": {"fsdp_version": 2}}))
-    assert main(["config", "validate", str(one)]) == 2
-    assert "FSDP shards the model over processes and this job has one" in capsys.readouterr().out
+    assert main(["config", "validate", str(one)]) == 0, capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,32 @@ def test_a_bad_inline_fsdp_config_is_refused_with_every_mistake(gpus, tmp_path, 
     assert "unknown key 'fsdp_auto_wrap_polcy'. Did you mean 'auto_wrap_policy'" in err
 
 
-def test_fsdp_on_one_process_is_refused_up_front(gpus, capsys):
-    err = launch_error(capsys, "--cpu", "--fsdp_config", str(PRESETS[0]), "train")
-    assert "FSDP settings from command line --fsdp_config: FSDP shards the model over processes and this job " in err
-    assert "launch at least 2" in err
+def test_fsdp_on_one_process_goes_through_torchrun(gpus):
+    """One FSDP process needs a process group (of one): torchrun on loopback, as for --max_restarts."""
+    settings, plan, _ = prepare(["--cpu", "--fsdp_config", str(PRESETS[0]), "train"])
+    args = plan.torchrun_args
+    assert plan.command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert args[args.index("--nproc_per_node") + 1] == "1" and args[args.index("--rdzv_endpoint") + 1] == "127.0.0.1:0"
+    assert plan.fsdp is not None and "FSDP on one process" in settings.sources["main_process_ip"]
+    assert any("for a process group of one" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize(
+    ("script_args", "torchrun"),
+    [
+        (["--fsdp", "full_shard", "--bf16"], True),
+        (["--fsdp=full_shard auto_wrap"], True),
+        (["--fsdp", "", "--bf16"], False),
+        (["--fsdp", "false"], False),
+        (["--bf16"], False),
+    ],
+)
+def test_a_script_given_fsdp_goes_through_torchrun_on_one_process(gpus, tmp_path, script_args, torchrun):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    _, plan, _ = prepare(["--cpu", str(script), *script_args])
+    assert (plan.torchrun_args is not None) is torchrun
+    assert plan.command[-len(script_args) - 1 :] == [str(script), *script_args]
 
 
 def test_the_users_own_fsdp_flags_are_checked_too(gpus, capsys):

@@ -221,7 +221,6 @@ def test_json_naming_a_folder_is_refused(tmp_path, capsys) -> None:
             "choose one",
         ),
         (["--fp16", "--bf16"], "both --fp16 and --bf16"),
-        (["--fsdp", "full_shard"], "launch at least 2"),
         (["--fsdp", "full_shard", "--num_processes", "2", "--fsdp_config", '{"min_num_params": "big"}'], "whole"),
         (["--fp8", "--bf16"], "--fp8 already runs bf16"),
         (["--num_processes", "2", "--fsdp", "full_shard", "--auto_find_batch_size"], "--auto_find_batch_size"),
@@ -229,6 +228,12 @@ def test_json_naming_a_folder_is_refused(tmp_path, capsys) -> None:
 )
 def test_combinations_train_refuses_are_refused(capsys, flags, message) -> None:
     assert message in _refused(capsys, *CAUSAL, *flags)
+
+
+def test_fsdp_on_one_process_is_estimated_as_launched(capsys) -> None:
+    """``trainer-ext launch --num_processes 1`` runs FSDP2 on one process (a 1-rank mesh): estimate it, not refuse."""
+    assert main(["estimate", *CAUSAL, "--fsdp", "full_shard"]) == 0
+    assert "FSDP2 full_shard on 1 process" in capsys.readouterr().out
 
 
 def test_unknown_flags_read_as_train_reads_them(capsys) -> None:

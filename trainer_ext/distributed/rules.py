@@ -10,6 +10,7 @@ import importlib.util
 import torch
 
 from ..errors import ConfigError
+from .state import DistState
 from .strategies import STRATEGIES  # the registry: strategies never import this module
 
 
@@ -48,8 +49,16 @@ def check_fp8(device: torch.device) -> None:
         raise ConfigError("fp8 training uses torchao, which is not installed: pip install 'trainer_ext[fp8]'")
 
 
-def check_world(world_size: int, strategy: str) -> None:
-    """The strategy named ``strategy`` runs on ``world_size`` processes (its class says how many it takes)."""
+def check_world(world_size: int, strategy: str, *, launched: bool = True) -> None:
+    """The strategy named ``strategy`` runs on ``world_size`` processes (its class says how many it takes, and
+    whether one process needs a launcher: ``launched`` says whether one starts them)."""
     found = STRATEGIES.get(strategy)
     if found is not None:
-        found.check_world(world_size)
+        found.check_world(world_size, launched=launched)
+
+
+def claim_world(state: DistState, strategy: str) -> None:
+    """``check_world`` for ``state``'s processes, then the process group the strategy needs (one of one process)."""
+    found = STRATEGIES.get(strategy)
+    if found is not None:
+        found.claim_world(state)

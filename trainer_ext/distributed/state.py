@@ -73,6 +73,11 @@ class Topology:
         return self.world_size > 1
 
     @property
+    def launched(self) -> bool:
+        """A launcher started this process (torchrun, srun, mpirun): its rendezvous makes a group, even of one."""
+        return self.source != "single"
+
+    @property
     def node_share(self) -> tuple[int, int]:
         """(this rank's index on its node, ranks on the node): how the ranks of a node split shared work."""
         return (self.local_rank, max(1, self.local_world_size))
@@ -221,11 +226,34 @@ class DistState:
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout = timeout
         self.owns_process_group = False
+        self.single_process_group = False  # one process that uses a process group of its own (FSDP's mesh)
         self._host_group: tuple[Any, Any] | None = None  # (the default group it was made for, a gloo group)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if init and self.topology.is_distributed:
             self._init_process_group()
+
+    @property
+    def launched(self) -> bool:
+        """This process can have a process group: a launcher started it, or one exists already."""
+        return self.topology.launched or (dist.is_available() and dist.is_initialized())
+
+    def join_process_group(self) -> None:
+        """Use a process group even for one process, as accelerate does under a launcher (FSDP2's device mesh and
+        ``torch.distributed.checkpoint`` need one): the existing group, or one made from the launcher's variables.
+
+        A no-op for several processes (their group starts with the state); ConfigError for one process that no
+        launcher started (there is no rendezvous to make a group from).
+        """
+        if self.topology.is_distributed or self.single_process_group:
+            return
+        if not self.launched:
+            raise ConfigError(
+                "this job needs a process group and this process was started without a launcher: start it with "
+                "trainer-ext launch --num_processes 1 ... or torchrun --nproc_per_node 1 ..."
+            )
+        self._init_process_group()
+        self.single_process_group = True
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
@@ -294,7 +322,9 @@ class DistState:
 
     @property
     def distributed_type(self) -> DistributedType:
-        if not self.topology.is_distributed:
+        """NO for one process, unless it joined a process group (then MULTI_*: transformers' parallel_mode is
+        DISTRIBUTED, as under accelerate for a launched process)."""
+        if not (self.topology.is_distributed or self.single_process_group):
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 

@@ -20,7 +20,7 @@ from .lengths import sample_column, sequence_length
 from .setup import Setup, setup_from_values
 from .shape import ModelShape
 
-# read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs 2 processes)
+# read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs a launcher)
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
 ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
@@ -37,7 +37,8 @@ class Job:
 def check_combinations(values: dict[str, Any], num_processes: int) -> None:
     """The rules ``train`` applies to the flags left out of TrainJobArguments here, except those about this
     machine's device (fp16 needing CUDA, bf16/fp8 support): --fsdp with --deepspeed, --fp16 with --bf16, --fp8 with
-    either, --fsdp on one process, fsdp_config checks, --auto_find_batch_size with a sharding strategy."""
+    either, the strategy's process count (the job is estimated as launched: FSDP on one process is allowed then),
+    fsdp_config checks, --auto_find_batch_size with a sharding strategy."""
     from ..arguments import TrainJobArguments
     from ..distributed.fsdp_config import fsdp_requested
     from ..distributed.rules import check_precision, check_world
@@ -53,7 +54,7 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
     )
     TrainJobArguments._refuse_combinations(flags)  # not whether deepspeed is installed: estimating needs none
     if fsdp_requested(flags.fsdp):
-        check_world(num_processes, "fsdp")
+        check_world(num_processes, "fsdp", launched=True)  # estimated for `trainer-ext launch --num_processes N`
         TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
 
 

@@ -1,8 +1,9 @@
 """``trainer-ext launch``: run a script, a module or ``train`` on 1..N processes and 1..M machines.
 
 Several processes go through ``torch.distributed.run`` (called as a library), and so does one process
-with ``--max_restarts`` (torchrun's agent restarts it; the rendezvous stays on loopback); one process
-otherwise is started directly, with no rendezvous and no torch.distributed variables. ``--dry_run`` shows
+with ``--max_restarts`` (torchrun's agent restarts it; the rendezvous stays on loopback) or one that runs FSDP
+(its device mesh needs a process group, of one); one process otherwise is started directly, with no rendezvous
+and no torch.distributed variables. ``--dry_run`` shows
 the settings with their sources and the DeepSpeed config or FSDP settings as ``train`` will resolve them.
 
 The modules import in one direction, each only from those below it:

@@ -1,6 +1,6 @@
 """The FSDP settings ``train`` will start with, checked by the launcher and ``config validate`` before any process.
 
-Without this, a bad FSDP config (an unknown key, ``NO_SHARD``, one process) passed every launch check and then
+Without this, a bad FSDP config (an unknown key, ``NO_SHARD``) passed every launch check and then
 failed on every rank. :func:`preview_fsdp` parses what ``train`` will parse (``--fsdp`` and ``--fsdp_config``,
 from the launch settings or the user's own train flags) with the same code as TrainingArguments.
 """
@@ -17,6 +17,7 @@ from .train_args import train_flags_set, train_sources
 
 if TYPE_CHECKING:
     from .settings import Settings
+    from .target import Target
 
 # what a None value of an FSDPSettings field means, for the dry run
 _UNSET = {
@@ -47,8 +48,9 @@ class FSDPPreview:
 def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: str) -> FSDPPreview:
     """Parse ``--fsdp``/``--fsdp_config`` as TrainingArguments will on ``world_size`` processes.
 
-    One ConfigError naming ``source`` and every problem: one process (FSDP needs at least 2), each unknown
-    key or bad value of the config, ``NO_SHARD``.
+    One ConfigError naming ``source`` and every problem: the processes FSDP cannot run on (one is fine: the
+    launcher starts it through torchrun, for a process group), each unknown key or bad value of the config,
+    ``NO_SHARD``.
     """
     from ...distributed.fsdp_config import read_fsdp_config, read_fsdp_settings
     from ...distributed.rules import check_world
@@ -62,7 +64,7 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
             problems.append(str(error))
             return None
 
-    attempt(check_world, world_size, "fsdp")
+    attempt(check_world, world_size, "fsdp")  # launched: started by this launcher
     for key, value in (attempt(read_fsdp_config, config) or {}).items():
         attempt(read_fsdp_settings, True, {key: value})  # one key at a time: every mistake of a file is reported
     parsed = None if problems else attempt(read_fsdp_settings, fsdp, config)  # with the --fsdp words, as train will
@@ -90,6 +92,26 @@ def preview_fsdp(s: Settings, user_args: Sequence[str], train_args: Sequence[str
     else:
         source = f"{user.get('fsdp', 'train --fsdp')} (no fsdp_config)"
     return check_fsdp(values["fsdp"], values.get("fsdp_config"), s.world_size, source)
+
+
+def runs_fsdp(target: Target, preview: FSDPPreview | None) -> bool:
+    """Whether the launched job trains under FSDP: ``train`` with FSDP settings, or a script or module given an
+    ``--fsdp`` value among its own arguments (transformers' flag, as HfArgumentParser scripts take it)."""
+    from ...distributed.fsdp_config import fsdp_requested
+
+    if target.kind == "train":
+        return preview is not None
+    args = list(target.args)
+    for i, word in enumerate(args):
+        name, eq, value = word.partition("=")
+        if name != "--fsdp":
+            continue
+        following = args[i + 1] if i + 1 < len(args) else None
+        if not eq:  # --fsdp WORDS, or a bare --fsdp (a bool flag in some scripts)
+            value = following if following is not None and not following.startswith("--") else True
+        if fsdp_requested(value):
+            return True
+    return False
 
 
 def fsdp_problems(s: Settings) -> list[str]:

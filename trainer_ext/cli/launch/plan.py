@@ -1,7 +1,8 @@
 """The plan of a launch: the exact command, the variables it adds to the environment, and the dry-run report.
 
-Several processes, or one with ``--max_restarts``, go through ``torch.distributed.run``: one machine meets on
-loopback (c10d, a free port), several at the main address. One process otherwise is started directly.
+Several processes, one with ``--max_restarts``, or one that runs FSDP (its device mesh needs a process group, of
+world size 1), go through ``torch.distributed.run``: one machine meets on loopback (c10d, a free port), several at
+the main address. One process otherwise is started directly.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 from dataclasses import dataclass
 
 from ... import env_vars
-from .fsdp import FSDPPreview, preview_fsdp
-from .settings import Settings
+from .fsdp import FSDPPreview, preview_fsdp, runs_fsdp
+from .settings import Settings, loopback_rendezvous
 from .target import Target
 from .train_args import DeepSpeedPreview, preview_deepspeed, translate_for_script, translate_for_train
 
@@ -74,7 +75,10 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
         # restarted workers otherwise reuse the agent's store and look up the dead attempt's addresses
         env.setdefault(env_vars.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
     if s.world_size == 1 and not s["max_restarts"]:
-        return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
+        if not runs_fsdp(target, fsdp):
+            return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
+        loopback_rendezvous(s, "FSDP on one process needs a process group")
+        notes.append("FSDP on one process: started through torch.distributed.run, for a process group of one")
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
     torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])] + target.python_argv()
     return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed, fsdp)

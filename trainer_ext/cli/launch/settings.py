@@ -170,8 +170,13 @@ def _derive_rendezvous(s: Settings) -> None:
                 "started directly, with no rendezvous to wait for"
             )
         return
-    s.values["main_process_ip"], s.sources["main_process_ip"] = "127.0.0.1", "derived: one machine, loopback only"
-    s.values["rdzv_backend"], s.sources["rdzv_backend"] = "c10d", "derived: one machine (torchrun --standalone)"
+    loopback_rendezvous(s)
+
+
+def loopback_rendezvous(s: Settings, why: str = "one machine") -> None:
+    """torchrun's rendezvous on loopback, on a free port unless one was given (``why``: for the sources)."""
+    s.values["main_process_ip"], s.sources["main_process_ip"] = "127.0.0.1", f"derived: {why}, loopback only"
+    s.values["rdzv_backend"], s.sources["rdzv_backend"] = "c10d", f"derived: {why} (torchrun --standalone)"
     if s["main_process_port"] is None:
         s.values["main_process_port"], s.sources["main_process_port"] = 0, "derived: 0 = a free port, chosen at start"
 

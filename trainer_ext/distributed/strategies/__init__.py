@@ -29,7 +29,7 @@ def resolve_strategy(state: DistState, name: str | None = None, **options: Any) 
         raise ConfigError(
             f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}.{did_you_mean(name, STRATEGIES)}"
         )
-    STRATEGIES[name].check_world(state.num_processes)
+    STRATEGIES[name].claim_world(state)
     return STRATEGIES[name].from_options(state, **options)
 
 

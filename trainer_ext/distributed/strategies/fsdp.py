@@ -69,11 +69,13 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     title = "FSDP"
-    min_processes = 2
-    too_few_processes = (
-        "FSDP shards the model over processes and this job has one: launch at least 2 "
-        "(trainer-ext launch --num_processes 2 ...), or drop --fsdp to train on one process "
-        "(a sharded checkpoint still resumes there)"
+    # one process is fine under a launcher (a mesh of one rank: the code path and checkpoints of N GPUs, CPU
+    # offload on one GPU); without one there is no process group to build the mesh on
+    needs_process_group = True
+    not_launched = (
+        "FSDP needs a process group, and this process was started without a launcher: start it with "
+        "trainer-ext launch --num_processes 1 ... (or torchrun --nproc_per_node 1 ...) to run FSDP2 on one "
+        "process, or drop --fsdp (fsdp_config) to train it without sharding (a sharded checkpoint still resumes there)"
     )
     option_names = ("settings", "mixed_precision")
 
