@@ -49,6 +49,11 @@ STOCK_FSDP_CONFIG = {
     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
     "reshard_after_forward": True,
 }
+# accelerate enables FSDP on GPUs only: on the CPU transformers' Trainer given fsdp_config runs plain DDP, so it is
+# left out of FSDP comparisons there (and a stock run that did not shard is refused, never reported as FSDP)
+STOCK_FSDP_ON_CPU = (
+    "transformers' Trainer under FSDP on the CPU: accelerate enables FSDP on GPUs only (it would run DDP)"
+)
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
@@ -201,6 +206,19 @@ def trainer_arguments(args_cls: Any, cfg: dict[str, Any], steps: int, device: An
     )
 
 
+def has_cuda() -> bool:
+    """Whether torch sees a GPU here (children then run on it unless ``--cpu``)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_stock_fsdp(trainer: Any) -> None:
+    """Refuse a stock Trainer run that was asked for FSDP and does not shard (see ``STOCK_FSDP_ON_CPU``)."""
+    if not trainer.is_fsdp_enabled:
+        raise RuntimeError(f"not comparable: {STOCK_FSDP_ON_CPU}")
+
+
 def tick_callback(clock: _Clock, device: Any) -> Any:
     """A TrainerCallback that ticks ``clock`` at every optimizer step."""
     import transformers
@@ -315,6 +333,8 @@ def run_trainer(
     args = trainer_arguments(args_cls, cfg, steps, device, bf16, optim=optim, torch_compile=compile_model, **sharding)
     trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
     setup = time.perf_counter() - started
+    if stock and fsdp:
+        check_stock_fsdp(trainer)
     trainer.train()
     return {"steps_per_s": clock.rate(), "first_step_s": clock.first, "setup_s": setup}
 
@@ -444,6 +464,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown runner: {', '.join(unknown)} (known: {', '.join(RUNNERS)})")
     if importlib.util.find_spec("accelerate") is None:  # transformers' own Trainer needs accelerate
         runners = [r for r in runners if not r.startswith("stock-")]
+    if opts.fsdp and "stock-trainer" in runners and (opts.cpu or not has_cuda()):
+        print(f"skipping stock-trainer: {STOCK_FSDP_ON_CPU}")
+        runners.remove("stock-trainer")
     results: dict[str, dict[str, Any]] = {}
     for _ in range(opts.repeats):
         for name in runners:

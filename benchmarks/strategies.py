@@ -32,12 +32,15 @@ from benchmarks.run import (  # noqa: E402
     CONFIGS,
     FSDP_PRESET,
     STOCK_FSDP_CONFIG,
+    STOCK_FSDP_ON_CPU,
     _Clock,
     _model_and_data,
     _sync_fn,
     accelerator_loop,
+    check_stock_fsdp,
     child_args,
     child_env,
+    has_cuda,
     hf_param_groups,
     last_json,
     shard_model,
@@ -212,6 +215,8 @@ def run_trainer(
         deepspeed=str(DS_PRESETS[strategy]) if strategy in DS_PRESETS else None,
     )
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[tick_callback(clock, device)])
+    if stock and strategy == "fsdp":
+        check_stock_fsdp(trainer)
     trainer.train()
     return clock
 
@@ -270,18 +275,12 @@ def _child(opts: argparse.Namespace) -> None:
 def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, *torchrun_args(opts.nproc), *child_args("benchmarks.strategies", name, opts)]
     env = child_env()
-    env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not _has_cuda() else "cuda")
+    env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not has_cuda() else "cuda")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"runner {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return last_json(proc.stdout)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -314,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("accelerate is not installed: skipping transformers' own Trainer (stock-trainer)")
         frameworks = [f for f in frameworks if f != "stock-trainer"]
     names = [f"{f}:{s}" for s in strategies for f in frameworks]
+    if "stock-trainer:fsdp" in names and (opts.cpu or not has_cuda()):
+        print(f"skipping stock-trainer under fsdp: {STOCK_FSDP_ON_CPU}")
+        names.remove("stock-trainer:fsdp")
     results: dict[str, dict[str, Any]] = {}
     for _ in range(opts.repeats):
         for name in names:
