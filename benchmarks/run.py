@@ -81,7 +81,10 @@ def _model_and_data(cfg: dict[str, Any], n_samples: int, dtype: Any = None):
 
 
 class _Clock:
-    """Step timestamps: time to the first step, and the steady rate after the warm-up steps."""
+    """Step timestamps: time to the first step, and the steady rate after the warm-up steps. ``observer`` (set by
+    ``--count_calls``) hears of every step: ``observer(step, warmup)``."""
+
+    observer: Any = None
 
     def __init__(self, warmup: int) -> None:
         self.t0 = time.perf_counter()
@@ -97,6 +100,8 @@ class _Clock:
         if self.steps == self.warmup:
             self.start = now
         self.end = now
+        if _Clock.observer is not None:
+            _Clock.observer(self.steps, self.warmup)
 
     def rate(self) -> float:
         return (self.steps - self.warmup) / (self.end - self.start)

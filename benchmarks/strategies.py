@@ -1,7 +1,7 @@
 """Distributed strategies: the framework's cost over the raw engine, for DDP, FSDP2 and DeepSpeed ZeRO.
 
     python -m benchmarks.strategies [--config tiny] [--nproc 2] [--strategies ddp,fsdp,zero2,zero3]
-                                    [--steps N] [--repeats R] [--json out.json]
+                                    [--steps N] [--repeats R] [--count_calls] [--json out.json]
 
 For each strategy the same model and batches are trained by a hand-written loop on the raw engine (the
 reference: torch ``DistributedDataParallel``, FSDP2 ``fully_shard`` per decoder layer, or
@@ -11,7 +11,8 @@ installed, by transformers' own Trainer with the same settings (``stock-trainer`
 runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
 The table gives steps/s, the ratio to the raw loop of the same strategy, and the peak resident memory of the
 largest rank. The ratio is the framework's overhead; across strategies, compare memory, not speed (on CPU
-the sharded engines pay for communication that DDP does not).
+the sharded engines pay for communication that DDP does not). ``--count_calls`` lists instead what each runner
+calls per step that can make a rank wait (collectives, host reads of tensors: ``benchmarks/step_calls.py``).
 """
 
 from __future__ import annotations
@@ -239,6 +240,13 @@ def _child(opts: argparse.Namespace) -> None:
     steps = opts.steps or cfg["steps"]
     bf16 = opts.bf16 if opts.bf16 is not None else use_cuda
     framework, strategy = opts.child.split(":")
+    counter = None
+    if opts.count_calls:
+        from benchmarks.step_calls import CallCounter
+
+        counter = CallCounter()
+        counter.install()
+        _Clock.observer = counter.on_tick
     runner = {
         "raw": run_raw,
         "raw-hf": lambda *a: run_raw(*a, hf_rules=True),
@@ -263,6 +271,8 @@ def _child(opts: argparse.Namespace) -> None:
             "peak_memory_mb": float(peak_t.item()),
             "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         }
+        if counter is not None:
+            result["calls_per_step"] = counter.per_step()
         print(json.dumps(result), flush=True)
     dist.barrier()
     # a gloo group still alive at interpreter exit can abort the process ("terminate called without an active
@@ -274,6 +284,8 @@ def _child(opts: argparse.Namespace) -> None:
 
 def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, *torchrun_args(opts.nproc), *child_args("benchmarks.strategies", name, opts)]
+    if opts.count_calls:
+        cmd.append("--count_calls")
     env = child_env()
     env.setdefault("DS_ACCELERATOR", "cpu" if opts.cpu or not has_cuda() else "cuda")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
@@ -281,6 +293,22 @@ def _launch(name: str, opts: argparse.Namespace) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"runner {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return last_json(proc.stdout)
+
+
+def _count_calls(names: list[str], opts: argparse.Namespace) -> dict[str, Any]:
+    """``--count_calls``: each runner once, its collectives and host reads per optimizer step on rank 0."""
+    results = {name: _launch(name, opts)["calls_per_step"] for name in names}
+    print(
+        f"calls per optimizer step on rank 0 ({opts.nproc} ranks, config={opts.config}; 'item (cpu)': no device wait)"
+    )
+    for name, calls in results.items():
+        framework, strategy = name.split(":")
+        listed = ", ".join(f"{call} {n:g}" for call, n in calls.items()) or "none"
+        print(f"{strategy:6} {framework:13} {listed}")
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps({"ranks": opts.nproc, "calls_per_step": results}, indent=1))
+    return {"calls_per_step": results}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -294,6 +322,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=1, help="best of N interleaved runs per runner")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even with GPUs")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    parser.add_argument(
+        "--count_calls",
+        action="store_true",
+        help="count collectives and host reads per step (rank 0) instead of timing: see benchmarks/step_calls.py",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -316,6 +349,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "stock-trainer:fsdp" in names and (opts.cpu or not has_cuda()):
         print(f"skipping stock-trainer under fsdp: {STOCK_FSDP_ON_CPU}")
         names.remove("stock-trainer:fsdp")
+    if opts.count_calls:
+        return _count_calls(names, opts)
     results: dict[str, dict[str, Any]] = {}
     for _ in range(opts.repeats):
         for name in names:
