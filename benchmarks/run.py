@@ -8,7 +8,8 @@ Runners: a plain PyTorch loop (the reference), ``trainer_ext.Accelerator`` in a 
 Each runner does the same work per optimizer step (forward, backward, clip to 1.0, AdamW, linear LR
 schedule, zero_grad) on the same batches. Every run is a fresh subprocess of this script, so peak
 memory and time to the first step are the runner's own; runners are interleaved and the best of
-``--repeats`` is kept, which makes the ratios robust to machine noise.
+``--repeats`` is kept, which makes the ratios robust to machine noise; the ``spread`` column says how far one
+runner's own repeats fell apart, the margin below which a ratio's difference from 1 means nothing.
 
 ``--fsdp``: every runner trains under FSDP2 on one process (a process group of world size 1, each child started by
 ``torch.distributed.run``): the plain loops shard each decoder layer and the root with ``fully_shard`` themselves,
@@ -216,6 +217,27 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def best_of_interleaved(names: list[str], repeats: int, launch: Any) -> dict[str, dict[str, Any]]:
+    """Each runner ``repeats`` times, interleaved (so slow drift of the machine hits every runner alike); the
+    fastest run of each, with ``spread``: (fastest - slowest) / fastest over its repeats, the noise to read its
+    ratio against."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(repeats):
+        for name in names:
+            runs.setdefault(name, []).append(launch(name))
+    results = {}
+    for name, rs in runs.items():
+        rates = [r["steps_per_s"] for r in rs]
+        best = max(rs, key=lambda r: r["steps_per_s"])
+        results[name] = {**best, "rates": rates, "spread": (max(rates) - min(rates)) / max(rates)}
+    return results
+
+
+def spread_text(r: dict[str, Any]) -> str:
+    """The ``spread`` column: a percentage, or '-' for a single run."""
+    return f"{100 * r['spread']:.1f}%" if len(r.get("rates", ())) > 1 else "-"
 
 
 def check_stock_fsdp(trainer: Any) -> None:
@@ -472,12 +494,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.fsdp and "stock-trainer" in runners and (opts.cpu or not has_cuda()):
         print(f"skipping stock-trainer: {STOCK_FSDP_ON_CPU}")
         runners.remove("stock-trainer")
-    results: dict[str, dict[str, Any]] = {}
-    for _ in range(opts.repeats):
-        for name in runners:
-            r = _run_child(name, opts)
-            if name not in results or r["steps_per_s"] > results[name]["steps_per_s"]:
-                results[name] = r
+    results = best_of_interleaved(runners, opts.repeats, lambda name: _run_child(name, opts))
     base = results["plain"]["steps_per_s"] if "plain" in results else None
     # the Trainers follow transformers' rules (token-count loss, two parameter groups): plain-hf does that work too
     hf_base = results["plain-hf"]["steps_per_s"] if "plain-hf" in results else None
@@ -490,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + (" FSDP2 (1 process, fully_shard per layer + root)" if opts.fsdp else "")
     )
     header = (
-        f"{'runner':18} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB':>9} "
+        f"{'runner':18} {'steps/s':>8} {'spread':>6} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB':>9} "
         f"{'first step s':>12} {'set-up s':>8} {'MFU':>6}"
     )
     print(header)
@@ -503,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         setup = f"{r['setup_s']:.3f}" if "setup_s" in r else "-"
         print(
-            f"{name:18} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} {vs_hf:>6} "
+            f"{name:18} {r['steps_per_s']:8.2f} {spread_text(r):>6} {r['tokens_per_s']:10.0f} {ratio:>6} {vs_hf:>6} "
             f"{r['peak_memory_mb']:9.0f} {r['first_step_s']:12.2f} {setup:>8} {mfu:>6}"
         )
     imports = import_times()

@@ -9,8 +9,8 @@ reference: torch ``DistributedDataParallel``, FSDP2 ``fully_shard`` per decoder 
 installed, by transformers' own Trainer with the same settings (``stock-trainer``), each in its own
 ``torch.distributed.run`` launch on CPU/gloo (CUDA/NCCL when present and ``--cpu`` is not given). Every
 runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
-The table gives steps/s, the ratio to the raw loop of the same strategy, and the peak resident memory of the
-largest rank. The ratio is the framework's overhead; across strategies, compare memory, not speed (on CPU
+The table gives steps/s (with its spread over the repeats: the noise), the ratio to the raw loop of the same
+strategy, and the peak resident memory of the largest rank. The ratio is the framework's overhead; across strategies, compare memory, not speed (on CPU
 the sharded engines pay for communication that DDP does not). ``--count_calls`` lists instead what each runner
 calls per step that can make a rank wait (collectives, host reads of tensors: ``benchmarks/step_calls.py``).
 """
@@ -38,6 +38,7 @@ from benchmarks.run import (  # noqa: E402
     _model_and_data,
     _sync_fn,
     accelerator_loop,
+    best_of_interleaved,
     check_stock_fsdp,
     child_args,
     child_env,
@@ -45,6 +46,7 @@ from benchmarks.run import (  # noqa: E402
     hf_param_groups,
     last_json,
     shard_model,
+    spread_text,
     tick_callback,
     torchrun_args,
     trainer_arguments,
@@ -351,12 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         names.remove("stock-trainer:fsdp")
     if opts.count_calls:
         return _count_calls(names, opts)
-    results: dict[str, dict[str, Any]] = {}
-    for _ in range(opts.repeats):
-        for name in names:
-            r = _launch(name, opts)
-            if name not in results or r["steps_per_s"] > results[name]["steps_per_s"]:
-                results[name] = r
+    results = best_of_interleaved(names, opts.repeats, lambda name: _launch(name, opts))
     cfg = CONFIGS[opts.config]
     device = next(iter(results.values()))["device"] if results else "-"
     print(
@@ -365,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"best of {opts.repeats}"
     )
     print(
-        f"{'strategy':9} {'runner':13} {'steps/s':>8} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} {'peak MB/rank':>13}"
+        f"{'strategy':9} {'runner':13} {'steps/s':>8} {'spread':>6} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} "
+        f"{'peak MB/rank':>13}"
     )
     for name, r in results.items():
         framework, strategy = name.split(":")
@@ -377,8 +375,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r["ratio_to_raw_hf"] = r["steps_per_s"] / hf["steps_per_s"] if hf else None
         vs_hf = f"{r['ratio_to_raw_hf']:.3f}" if hf else "-"
         print(
-            f"{strategy:9} {framework:13} {r['steps_per_s']:8.2f} {r['tokens_per_s']:10.0f} {ratio:>6} "
-            f"{vs_hf:>6} {r['peak_memory_mb']:13.0f}"
+            f"{strategy:9} {framework:13} {r['steps_per_s']:8.2f} {spread_text(r):>6} {r['tokens_per_s']:10.0f} "
+            f"{ratio:>6} {vs_hf:>6} {r['peak_memory_mb']:13.0f}"
         )
     report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
     if opts.json:
