@@ -10,8 +10,8 @@ installed, by transformers' own Trainer with the same settings (``stock-trainer`
 ``torch.distributed.run`` launch on CPU/gloo (CUDA/NCCL when present and ``--cpu`` is not given). Every
 runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
 The table gives steps/s (with its spread over the repeats: the noise), the ratio to the raw loop of the same
-strategy, and the peak resident memory of the largest rank. The ratio is the framework's overhead; across strategies, compare memory, not speed (on CPU
-the sharded engines pay for communication that DDP does not). ``--count_calls`` lists instead what each runner
+strategy, and the peak resident memory of the largest rank. The ratio is the framework's overhead; across
+strategies, compare memory, not speed (on CPU the sharded engines pay for communication that DDP does not). ``--count_calls`` lists instead what each runner
 calls per step that can make a rank wait (collectives, host reads of tensors: ``benchmarks/step_calls.py``).
 """
 
