@@ -14,6 +14,8 @@ _EXPORTS = {
     "Trainer": "trainer_ext.trainer",
     "adapt": "trainer_ext.foreign_trainers",
     "TrainingArguments": "trainer_ext.training_args",
+    "Seq2SeqTrainer": "trainer_ext.seq2seq",
+    "Seq2SeqTrainingArguments": "trainer_ext.seq2seq",
     "Accelerator": "trainer_ext.accelerator",
     "DistributedType": "trainer_ext.distributed.state",
     "ProjectConfiguration": "trainer_ext.accelerator_options",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 VOCAB = 64
 
@@ -58,3 +59,29 @@ def pad_right(features: list[dict]) -> dict[str, torch.Tensor]:
         labels[i, : len(row)] = row
         mask[i, : len(row)] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def tiny_t5(seed: int = 0) -> T5ForConditionalGeneration:
+    """A 2-layer T5 from a config, without dropout (N ranks must draw what 1 does); token 0 pads and starts
+    decoding, 1 ends."""
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    config.decoder_start_token_id = 0
+    return T5ForConditionalGeneration(config)
+
+
+def copy_rows(n: int, seed: int) -> Dataset:
+    """Sources of 10 tokens; each target is its source's first 5 tokens and the end token."""
+    ids = np.random.default_rng(seed).integers(2, VOCAB, size=(n, 10))
+    labels = np.concatenate([ids[:, :5], np.ones((n, 1), dtype=ids.dtype)], axis=1)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
