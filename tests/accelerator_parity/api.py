@@ -1,8 +1,9 @@
 """The one line a migrated script changes: where its accelerate names come from.
 
-``stock`` takes them from ``accelerate`` / ``accelerate.utils``, ``ours`` from ``trainer_ext``'s top level. A name
-trainer_ext lacks fails where the script uses it, with the ``AttributeError`` a user would see after changing the
-import. ``set_seed`` is ``transformers.set_seed`` for both while trainer_ext has none (the two seed the same RNGs).
+``stock`` takes them from ``accelerate`` / ``accelerate.utils`` / ``accelerate.logging``, ``ours`` from
+``trainer_ext``'s top level. A name trainer_ext lacks fails where the script uses it, with the ``AttributeError`` a
+user would see after changing the import. ``set_seed`` is ``transformers.set_seed`` for both where trainer_ext has
+none (the two seed the same RNGs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ NAMES = (
     "AutocastKwargs",
     "ProfileKwargs",
     "DistributedType",
+    "find_executable_batch_size",
+    "get_logger",
 )
+STOCK_MODULES = {"Accelerator": "accelerate", "get_logger": "accelerate.logging"}  # the rest: accelerate.utils
 
 
 def _trainer_ext_has_set_seed() -> bool:
@@ -50,4 +54,4 @@ class Api:
             raise AttributeError(f"the scripts use no accelerate name {name!r}")
         if self.impl == "ours":
             return getattr(importlib.import_module("trainer_ext"), name)
-        return getattr(importlib.import_module("accelerate" if name == "Accelerator" else "accelerate.utils"), name)
+        return getattr(importlib.import_module(STOCK_MODULES.get(name, "accelerate.utils")), name)

@@ -37,6 +37,7 @@ SCENARIOS: dict[str, Spec] = {
     "join_uneven_inputs": Spec(("dataloader_config", "override")),
     "save_model": Spec(),
     "kwargs_handlers": Spec(),
+    "memory_example": Spec(),
     "iterable_dataset": Spec(("dispatch", "read_by_every_rank")),
     "split_batches": Spec(),
     "dispatch_batches": Spec(),

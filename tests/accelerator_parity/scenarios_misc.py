@@ -4,6 +4,7 @@ evaluation, saving models and kwargs handlers. Written once; ``ctx.api`` picks a
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -240,4 +241,53 @@ def kwargs_handlers(ctx: Context) -> None:
 
     ctx.rec.stage("profile", profiled)
     final_weights(accelerator, model, ctx.rec)
+    accelerator.end_training()
+
+
+class _Lines(logging.Handler):
+    """Keeps what a logger emits on this rank: level and message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def memory_example(ctx: Context) -> None:
+    """by_feature/memory.py: the whole loop under ``find_executable_batch_size`` (a real allocator error above batch
+    20: 32, 28, 25, 22 fail), ``get_logger`` with every kind of call, ``set_seed(device_specific=True)``."""
+    accelerator = ctx.api.Accelerator(cpu=True)
+    logger = ctx.api.get_logger("parity.memory", log_level="INFO")
+    lines = _Lines()
+    logging.getLogger("parity.memory").addHandler(lines)
+    ctx.api.set_seed(7, device_specific=True)
+    ctx.rec.put("draw_after_device_specific_seed", torch.rand(2).tolist())
+    tried: list[int] = []
+
+    @ctx.api.find_executable_batch_size(starting_batch_size=32)
+    def inner_training_loop(batch_size: int) -> None:
+        nonlocal accelerator
+        accelerator.free_memory()
+        tried.append(batch_size)
+        if batch_size > 20:
+            torch.empty(2**62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+        model, optimizer, train_dl, eval_dl, scheduler = build(ctx, accelerator, batch=batch_size)
+        for epoch in range(EPOCHS):
+            trace = Epoch(ctx.rec, epoch)
+            train_epoch(accelerator, model, optimizer, train_dl, scheduler, trace)
+            logger.info(f"epoch {epoch}: last loss {trace.entry['loss'][-1]:.6f}")
+        evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
+        logger.info(f"rank {accelerator.process_index} done", main_process_only=False)
+        logger.warning_once("said once")
+        logger.warning_once("said once")
+        logger.info("in order", in_order=True)
+        logger.debug("below the level")
+
+    inner_training_loop()
+    ctx.rec.stage("batch_size_passed_twice", lambda: inner_training_loop(8))
+    ctx.rec.put("batch_sizes_tried", tried)
+    ctx.rec.put("log_lines", lines.lines)
+    logging.getLogger("parity.memory").removeHandler(lines)
     accelerator.end_training()
