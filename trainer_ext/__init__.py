@@ -28,6 +28,7 @@ _EXPORTS = {
     "InitProcessGroupKwargs": "trainer_ext.accelerator_options",
     "AutocastKwargs": "trainer_ext.accelerator_options",
     "ProfileKwargs": "trainer_ext.accelerator_options",
+    "LocalSGD": "trainer_ext.local_sgd",
     "find_executable_batch_size": "trainer_ext.loop_helpers",
     "set_seed": "trainer_ext.loop_helpers",
     "get_logger": "trainer_ext.loop_helpers",
