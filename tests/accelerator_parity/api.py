@@ -1,6 +1,6 @@
 """The one line a migrated script changes: where its accelerate names come from.
 
-``stock`` takes them from ``accelerate`` / ``accelerate.utils`` / ``accelerate.logging``, ``ours`` from
+``stock`` takes them from ``accelerate`` and its ``utils``, ``logging`` and ``local_sgd``, ``ours`` from
 ``trainer_ext``'s top level. A name trainer_ext lacks fails where the script uses it, with the ``AttributeError`` a
 user would see after changing the import. ``set_seed`` is ``transformers.set_seed`` for both where trainer_ext has
 none (the two seed the same RNGs).
@@ -23,8 +23,14 @@ NAMES = (
     "DistributedType",
     "find_executable_batch_size",
     "get_logger",
+    "LocalSGD",
 )
-STOCK_MODULES = {"Accelerator": "accelerate", "get_logger": "accelerate.logging"}  # the rest: accelerate.utils
+# where accelerate keeps the names that are not in accelerate.utils
+STOCK_MODULES = {
+    "Accelerator": "accelerate",
+    "get_logger": "accelerate.logging",
+    "LocalSGD": "accelerate.local_sgd",
+}  # the rest: accelerate.utils
 
 
 def _trainer_ext_has_set_seed() -> bool:

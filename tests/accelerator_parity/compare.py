@@ -171,6 +171,13 @@ ALLOWED = (
         nproc=1,
     ),
     Allowed(
+        r"\.enabled_and_steps\[0\]: stock true, ours false$",
+        "follows from the one above: under torchrun with one process accelerate's LocalSGD is on (averaging one "
+        "process's weights changes nothing), trainer_ext's is off as for any single process; the weights are the same",
+        ("local_sgd",),
+        nproc=1,
+    ),
+    Allowed(
         r"\.topology\.device: stock 'cpu:0', ours 'cpu'$",
         "accelerate names every CPU process's device cpu:0; trainer_ext's is cpu (the same memory)",
     ),

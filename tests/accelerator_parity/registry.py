@@ -38,6 +38,7 @@ SCENARIOS: dict[str, Spec] = {
     "save_model": Spec(),
     "kwargs_handlers": Spec(),
     "memory_example": Spec(),
+    "local_sgd": Spec(),
     "iterable_dataset": Spec(("dispatch", "read_by_every_rank")),
     "split_batches": Spec(),
     "dispatch_batches": Spec(),

@@ -291,3 +291,30 @@ def memory_example(ctx: Context) -> None:
     ctx.rec.put("log_lines", lines.lines)
     logging.getLogger("parity.memory").removeHandler(lines)
     accelerator.end_training()
+
+
+def local_sgd(ctx: Context) -> None:
+    """by_feature/local_sgd.py: ``LocalSGD(local_sgd_steps=3)`` around an accumulating loop (2 micro-batches per
+    step, gradients never all-reduced), the weights averaged every 3 optimizer steps and on leaving the block."""
+    accelerator = ctx.api.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer, train_dl, eval_dl, scheduler = build(ctx, accelerator)
+    with ctx.api.LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=3, enabled=True) as local:
+        for epoch in range(EPOCHS):
+            model.train()
+            trace = Epoch(ctx.rec, epoch)
+            for batch in train_dl:
+                with accelerator.accumulate(model):
+                    loss = loss_of(model, batch)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                    local.step()
+                trace.step(accelerator, batch, loss, scheduler)
+                if accelerator.sync_gradients:
+                    first = next(accelerator.unwrap_model(model).parameters()).detach()
+                    ctx.rec.add("first_weight_sum", float(first.sum()))
+        ctx.rec.put("enabled_and_steps", [local.enabled, local.num_steps])
+    evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
+    final_weights(accelerator, model, ctx.rec)
+    accelerator.end_training()
