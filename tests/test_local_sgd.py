@@ -44,3 +44,13 @@ def test_two_ranks_average_their_weights_every_k_steps_and_on_exit(tmp_path):
     assert result["equal_after_step"] == [False, False, True, False, False, True, False]
     assert result["average_error"] < 1e-6  # each average is the mean of the ranks' weights
     assert result["equal_after_exit"] and result["exit_average_error"] < 1e-6 and result["steps"] == 7
+
+
+@pytest.mark.distributed
+def test_refused_under_fsdp_whose_parameters_are_sharded(tmp_path):
+    run_ranks("tests.helpers.local_sgd_job", 1, str(tmp_path), "fsdp")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["distributed_type"] == "DistributedType.FSDP" and result["type"] == "NotImplementedError"
+    # accelerate's words first, then what to do
+    assert result["message"].startswith("LocalSGD is supported only for CPUs and GPUs (no DeepSpeed or MegatronLM)")
+    assert "use DDP" in result["message"]

@@ -1,7 +1,8 @@
 """``LocalSGD(local_sgd_steps=3)`` on every rank of a launch, each rank on its own data: rank 0 writes, after each
 optimizer step, whether the ranks' weights are equal, and the mean of the ranks' weights just before each average.
 
-``python -m tests.helpers.local_sgd_job OUT`` under torchrun.
+``python -m tests.helpers.local_sgd_job OUT`` under torchrun; ``OUT fsdp`` instead writes the error LocalSGD raises
+on an FSDP2 Accelerator (one launched process is enough for a sharded model).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.helpers.tiny import tiny_llama
 from trainer_ext import Accelerator, LocalSGD
 
 
@@ -24,8 +26,25 @@ def gathered(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def refused_under_fsdp(out: Path) -> None:
+    accelerator = Accelerator(cpu=True, fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    model = accelerator.prepare(tiny_llama())
+    try:
+        LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=2)
+    except NotImplementedError as exc:
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    else:
+        error = {"type": None, "message": ""}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps({"distributed_type": str(accelerator.distributed_type), **error}))
+    accelerator.end_training()
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    if sys.argv[2:] == ["fsdp"]:
+        refused_under_fsdp(out)
+        return
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
