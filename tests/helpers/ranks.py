@@ -1,4 +1,5 @@
-"""Run a job module on N real gloo ranks through torchrun on loopback (free port, never a fixed one)."""
+"""Run a job module on N real gloo ranks on loopback (free port, never a fixed one): forked from a warm server
+(:mod:`tests.helpers.forked_ranks`) or, where that cannot serve, through torchrun."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from types import ModuleType
 
+from tests.helpers import forked_ranks
 from tests.helpers.paths import ROOT
 
 
@@ -21,17 +23,22 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_ranks(job: ModuleType | str, nproc: int, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node nproc -m job args``; raises with the output on failure.
+    """``torchrun --standalone --nproc_per_node nproc -m job args``, or its equivalent forked from the warm server;
+    raises with the output on failure.
 
     ``job`` is a module of this package (``tests.helpers.jobs``, or the module object): every rank runs it as
     ``python -m`` with the repository root on its PYTHONPATH, so it imports its helpers as ``tests.…`` like the
-    tests do.
+    tests do. The ranks get torchrun's variables either way; ``TRAINER_EXT_TEST_TORCHRUN=1`` forces torchrun.
     """
     module = job.__name__ if isinstance(job, ModuleType) else job
     env = child_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    if forked_ranks.usable(env):
+        proc = forked_ranks.run(module, nproc, args, env, timeout)
+        _check(proc, nproc, module)
+        return proc
     cmd = [
         sys.executable,
         "-m",
@@ -44,9 +51,13 @@ def run_ranks(job: ModuleType | str, nproc: int, *args: str, timeout: float = 30
         *args,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    _check(proc, nproc, module)
+    return proc
+
+
+def _check(proc: subprocess.CompletedProcess, nproc: int, module: str) -> None:
     if proc.returncode != 0:
         raise AssertionError(
             f"{nproc}-rank run of {module} failed (exit {proc.returncode})\nSTDOUT:\n{proc.stdout[-5000:]}\n"
             f"STDERR:\n{proc.stderr[-8000:]}"
         )
-    return proc
