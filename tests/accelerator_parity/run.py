@@ -1,10 +1,13 @@
 """Run one scenario under one implementation on N CPU processes (every phase); write what the ranks observed.
 
     python -m tests.accelerator_parity.run --scenario plain --nproc 2 --impl stock --out x.json
+    python -m tests.accelerator_parity.run --impl ours --batch plain:1 plain:2 --outdir DIR
 
 (from the repository root, in an environment with accelerate: /tmp/acc-venv). Each phase is one launch of
 ``torch.distributed.run --standalone`` (gloo on loopback, a free port); rank 0's tensors go beside the JSON in
-``x.files/PHASE/``, referred to relatively from it.
+``x.files/PHASE/``, referred to relatively from it. ``--batch`` runs several cases of one implementation, each rank
+forked from a server that imported it once (``warm.py``, :mod:`tests.helpers.forked_ranks`) instead of started by
+torchrun: the same launcher variables and the same worker, without paying the imports for every launch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import forked_ranks
+
 from .registry import IMPLS, NPROCS, SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PHASE_TIMEOUT_S = float(os.environ.get("ACCELERATOR_PARITY_TIMEOUT", "180"))
 KNOWN_HANG_S = 45.0
 KNOWN_HANGS = {("join_uneven_inputs", "dataloader_config", "stock")}  # accelerate's Join does nothing on CPU
+
+
+WORKER = "tests.accelerator_parity.worker"
+IMPL_VAR = "ACCELERATOR_PARITY_IMPL"  # the fork server's implementation (read by warm.py)
+_served: str | None = None  # the implementation this process's fork server imported (serve)
 
 
 def child_env() -> dict[str, str]:
@@ -49,13 +59,26 @@ def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outd
     A phase past ``timeout`` gets SIGTERM: torchrun passes it on to the ranks, which print their stacks first (the
     log tail then shows where each one hung), then SIGKILL for whatever is left of the launcher's process group.
     """
+    worker_args = [
+        "--impl", impl, "--scenario", scenario, "--phase", phase, "--processes", str(nproc),
+        "--workdir", str(workdir), "--outdir", str(outdir),
+    ]  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0",
-        "-m", "tests.accelerator_parity.worker", "--impl", impl, "--scenario", scenario, "--phase", phase,
-        "--processes", str(nproc), "--workdir", str(workdir), "--outdir", str(outdir),
+        "-m", WORKER, *worker_args,
     ]  # fmt: skip
     outdir.mkdir(parents=True, exist_ok=True)
     log_path = outdir / "launcher.log"
+    if _served == impl and forked_ranks.usable(_server_env(impl), PRELOAD):
+        log_path.write_text("")
+        try:
+            code = forked_ranks.run(
+                WORKER, nproc, worker_args, child_env(), timeout, cwd=ROOT, log=log_path
+            ).returncode
+            status = "ok" if code == 0 else f"exit {code}"
+        except subprocess.TimeoutExpired:
+            status = f"timeout ({timeout:.0f}s)"
+        return _observed(status, nproc, outdir, log_path)
     with log_path.open("w") as log:
         process = subprocess.Popen(
             command, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -71,6 +94,24 @@ def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outd
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+    return _observed(status, nproc, outdir, log_path)
+
+
+PRELOAD = "tests.accelerator_parity.warm"
+
+
+def _server_env(impl: str) -> dict[str, str]:
+    return {**child_env(), IMPL_VAR: impl}
+
+
+def serve(impl: str) -> None:
+    """Start this process's fork server for ``impl``: every later launch of ``impl`` forks its ranks from it."""
+    global _served
+    if forked_ranks.usable(_server_env(impl), PRELOAD):
+        _served = impl
+
+
+def _observed(status: str, nproc: int, outdir: Path, log_path: Path) -> dict:
     ranks = []
     for rank in range(nproc):
         path = outdir / f"rank{rank}.json"
@@ -125,18 +166,39 @@ def run_scenario(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    parser.add_argument("--scenario", choices=list(SCENARIOS))
     parser.add_argument("--nproc", type=int, default=1, choices=NPROCS)
     parser.add_argument("--impl", required=True, choices=IMPLS)
-    parser.add_argument("--out", required=True, help="the JSON result (tensors go to OUT_STEM.files/ beside it)")
+    parser.add_argument("--out", help="the JSON result (tensors go to OUT_STEM.files/ beside it)")
+    parser.add_argument("--batch", nargs="+", metavar="SCENARIO:NPROC", help="several cases, ranks forked (see above)")
+    parser.add_argument("--outdir", help="--batch: where the results go (result_path's names)")
     parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
     parser.add_argument("--keep", action="store_true", help="keep the working folder (checkpoints, project dirs)")
     options = parser.parse_args(argv)
+    if options.batch:
+        if not options.outdir:
+            parser.error("--batch needs --outdir")
+        return run_batch(options.impl, options.batch, Path(options.outdir), options.timeout)
+    if not options.scenario or not options.out:
+        parser.error("--scenario and --out are required (or --batch and --outdir)")
     result = run_scenario(
         options.scenario, options.nproc, options.impl, Path(options.out), options.timeout, options.keep
     )
     for phase, observed in result["phases"].items():
         print(f"{phase}: {observed['status']}")
+    return 0
+
+
+def result_path(outdir: Path, scenario: str, impl: str, nproc: int) -> Path:
+    return outdir / f"{scenario}.{impl}.{nproc}.json"
+
+
+def run_batch(impl: str, cases: list[str], outdir: Path, timeout: float = PHASE_TIMEOUT_S) -> int:
+    """``SCENARIO:NPROC`` cases of ``impl`` one after the other, their ranks forked from one warm server."""
+    serve(impl)
+    for case in cases:
+        scenario, _, nproc = case.partition(":")
+        run_scenario(scenario, int(nproc), impl, result_path(outdir, scenario, impl, int(nproc)), timeout)
     return 0
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -18,22 +19,40 @@ from pathlib import Path
 
 from .compare import Report, compare, load
 from .registry import IMPLS, NPROCS, SCENARIOS
-from .run import PHASE_TIMEOUT_S, run_scenario
-
-
-def result_path(outdir: Path, scenario: str, impl: str, nproc: int) -> Path:
-    return outdir / f"{scenario}.{impl}.{nproc}.json"
+from .run import PHASE_TIMEOUT_S, ROOT, result_path
 
 
 def run_many(cases: list[tuple[str, int]], outdir: Path, jobs: int = 2, timeout: float = PHASE_TIMEOUT_S) -> dict:
-    """Every (scenario, nproc) under both implementations, ``jobs`` runs at a time; ``{case: Report}``."""
+    """Every (scenario, nproc) under both implementations, ``jobs`` batches at a time; ``{case: Report}``.
+
+    Each implementation is one batch process (``run --batch``): its ranks are forked from a server that imported it
+    once. A batch that dies leaves its remaining cases without a result, reported as such.
+    """
     outdir.mkdir(parents=True, exist_ok=True)
-    runs = [(scenario, nproc, impl) for scenario, nproc in cases for impl in IMPLS]
+    batch = [f"{scenario}:{nproc}" for scenario, nproc in cases]
+
+    def run_batch(impl: str) -> str:
+        command = [sys.executable, "-m", "tests.accelerator_parity.run", "--impl", impl, "--timeout", str(timeout)]
+        command += ["--outdir", str(outdir), "--batch", *batch]
+        process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        return (
+            ""
+            if process.returncode == 0
+            else f"exit {process.returncode}: {(process.stdout + process.stderr)[-3000:]}"
+        )
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(lambda c: run_scenario(c[0], c[1], c[2], result_path(outdir, *c[::2], c[1]), timeout), runs))
+        failures = dict(zip(IMPLS, pool.map(run_batch, IMPLS), strict=True))
     reports = {}
     for scenario, nproc in cases:
         stock, ours = (result_path(outdir, scenario, impl, nproc) for impl in IMPLS)
+        missing = [
+            f"{p.name} missing (batch {failures[i] or 'ended'})"
+            for i, p in zip(IMPLS, (stock, ours), strict=True)
+            if not p.exists()
+        ]
+        if missing:
+            raise RuntimeError(f"{scenario} on {nproc} processes: {'; '.join(missing)}")
         reports[(scenario, nproc)] = compare(load(stock), load(ours), outdir, outdir)
     return reports
 

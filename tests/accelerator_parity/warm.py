@@ -1,0 +1,33 @@
+"""What one implementation's fork server imports once (``run --batch``): every rank of every phase is forked
+from it, without paying the interpreter's start and these imports again.
+
+The server's environment names the implementation (``ACCELERATOR_PARITY_IMPL``). For ``ours`` accelerate is hidden
+before anything imports, and the worker's settings are made first, so that transformers' import-time look-ups
+(whether accelerate is installed, its verbosity) see what a started worker sees.
+"""
+
+import os
+
+from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+
+IMPL = os.environ["ACCELERATOR_PARITY_IMPL"]
+if IMPL == "ours":
+    hide_accelerate()
+quiet_and_deterministic()
+
+import safetensors.torch  # noqa: E402, F401
+import torch  # noqa: E402, F401
+import transformers  # noqa: E402
+
+from tests.accelerator_parity import scenarios_data, scenarios_misc, scenarios_train  # noqa: E402, F401
+
+transformers.LlamaForCausalLM  # noqa: B018  (transformers imports its modules on first use)
+if IMPL == "ours":
+    import trainer_ext
+
+    trainer_ext.Accelerator  # noqa: B018
+else:
+    import accelerate  # noqa: F401
+    import accelerate.local_sgd  # noqa: F401
+    import accelerate.logging  # noqa: F401
+    import accelerate.utils  # noqa: F401
