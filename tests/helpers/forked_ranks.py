@@ -6,8 +6,9 @@ suite. Here a ``multiprocessing`` fork server imports them once (:mod:`tests.hel
 is forked from it: a fresh process, its own gloo process group on loopback, the launcher variables torchrun sets,
 the caller's working directory, its output in files, the interpreter's exit handlers run at the end.
 
-Only the tests' own parity jobs go this way (:func:`tests.helpers.ranks.run_ranks`); the tests of launching
-(``trainer-ext launch``, the scripts, restarts, signals) start real launchers. ``TRAINER_EXT_TEST_TORCHRUN=1`` sends
+The tests' rank jobs go this way (:func:`tests.helpers.ranks.run_ranks`), and the accelerator parity batches (one
+server per implementation); the tests of launching (``trainer-ext launch``, the scripts, restarts, signals) start
+real launchers. ``TRAINER_EXT_TEST_TORCHRUN=1`` sends
 every job through torchrun too, and an environment that differs from the one the server started with (a test that
 set a variable the imports may read) always does.
 """
@@ -51,8 +52,10 @@ _PER_CALL = frozenset(
         "TORCHELASTIC_USE_AGENT_STORE",
     }
 )
-# read when used, never by the warm imports: set by libraries a test ran in-process (DeepSpeed's import, the trackers)
-_READ_WHEN_USED = ("PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_", "MLFLOW_", "COMET_", "CLEARML_", "TRACKIO_")
+# read when used, never by the warm imports (which leave DeepSpeed and the trackers out): set in-process by code a test
+# ran (TrainingArguments sets DS_ACCELERATOR for DeepSpeed on CPU, DeepSpeed's import sets the NVML check, trackers
+# theirs); a rank gets them all the same, in its environment
+_READ_WHEN_USED = ("DS_", "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_", "MLFLOW_", "COMET_", "CLEARML_", "TRACKIO_")
 FORCE_TORCHRUN = "TRAINER_EXT_TEST_TORCHRUN"
 
 DEFAULT_PRELOAD = "tests.helpers.warm_imports"
