@@ -38,6 +38,7 @@ KNOWN_HANGS = {("join_uneven_inputs", "dataloader_config", "stock")}  # accelera
 
 
 WORKER = "tests.accelerator_parity.worker"
+PRELOAD = "tests.accelerator_parity.warm"  # what a batch's fork server imports
 IMPL_VAR = "ACCELERATOR_PARITY_IMPL"  # the fork server's implementation (read by warm.py)
 _served: str | None = None  # the implementation this process's fork server imported (serve)
 
@@ -56,8 +57,9 @@ def child_env() -> dict[str, str]:
 def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outdir: Path, timeout: float) -> dict:
     """One phase on ``nproc`` ranks: its status (``ok``, ``exit N``, ``timeout``), each rank's record, the log tail.
 
-    A phase past ``timeout`` gets SIGTERM: torchrun passes it on to the ranks, which print their stacks first (the
-    log tail then shows where each one hung), then SIGKILL for whatever is left of the launcher's process group.
+    A phase past ``timeout`` gets SIGTERM: torchrun passes it on to the ranks (forked ranks get it directly), which
+    print their stacks first (the log tail then shows where each one hung), then SIGKILL for whatever is left.
+    Under ``serve(impl)`` the ranks are forked from the batch's server; otherwise torchrun starts them.
     """
     worker_args = [
         "--impl", impl, "--scenario", scenario, "--phase", phase, "--processes", str(nproc),
@@ -95,9 +97,6 @@ def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outd
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     return _observed(status, nproc, outdir, log_path)
-
-
-PRELOAD = "tests.accelerator_parity.warm"
 
 
 def _server_env(impl: str) -> dict[str, str]:

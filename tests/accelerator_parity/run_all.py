@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", action="append", default=[], help="only the scenarios whose name contains this")
     parser.add_argument("--nproc", type=int, action="append", choices=NPROCS, help="only this process count")
     parser.add_argument("--outdir", help="where the results go (default: a temporary folder, kept)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--jobs", type=int, default=2, help="batches at a time (one per implementation: 1 or 2)")
     parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
     options = parser.parse_args(argv)
     names = [n for n in SCENARIOS if not options.k or any(k in n for k in options.k)]
