@@ -18,7 +18,7 @@ from tests.helpers.ranks import child_env, run_ranks
 
 JOB = "tests.helpers.launch_facts_job"
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def _facts(out: Path, nproc: int) -> list[dict]:
