@@ -9,6 +9,7 @@ choices are opt-in (``scheduler_counts_optimizer_steps=True``, ``fsdp_config=``,
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -36,12 +37,14 @@ from .accelerator_scheduler import PreparedScheduler, is_scheduler
 from .accelerator_setup import (
     accumulation_settings,
     dataloader_configuration,
+    deepspeed_settings,
     refuse_plugins,
     rng_types_for,
     strategy_settings,
 )
 from .accelerator_tracking import TrackingMixin
 from .distributed.data import skip_first_batches as _skip_first_batches
+from .distributed.deepspeed_plugin import DeepSpeedPlugin, DummyOptim, DummyScheduler, SteppedByEngine
 from .distributed.engine import Engine
 from .distributed.fsdp_config import FSDPSettings
 from .distributed.rules import check_precision
@@ -121,7 +124,8 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
         mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
         check_precision(mode, state.device)
-        strategy, options = strategy_settings(fsdp_config, deepspeed_config, self.ddp_handler)
+        ds_config, ds_plugin = deepspeed_settings(deepspeed_plugin, deepspeed_plugins, deepspeed_config)
+        strategy, options = strategy_settings(fsdp_config, ds_config, self.ddp_handler)
         config = self.dataloader_config
         self.rng_types = rng_types_for(rng_types)
         self.engine = Engine(
@@ -145,6 +149,7 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
             scaler_kwargs=self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
             autocast_kwargs=self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None,
         )
+        state.deepspeed_plugin = ds_plugin
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.scheduler_counts_optimizer_steps = bool(scheduler_counts_optimizer_steps)
@@ -200,7 +205,12 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     # accelerate's composable-parallelism surface (tensor/context/pipeline parallelism): not configured here
     parallelism_config = None
     torch_device_mesh = None
-    deepspeed_plugin = None  # ours is deepspeed_config=...
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
+        """The DeepSpeed settings (``deepspeed_plugin=`` or ``deepspeed_config=``), None without DeepSpeed."""
+        return self.state.deepspeed_plugin
+
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2)
 
     @property
@@ -271,13 +281,19 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
                 f"prepare: device_placement has {len(placement)} entries for {len(objects)} objects; give one "
                 "True/False per object, in the same order"
             )
-        schedulers = [is_scheduler(o) for o in objects]
+        schedulers = [is_scheduler(o) or isinstance(o, DummyScheduler) for o in objects]
         rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
         places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
+        self._take_loop_objects(objects, schedulers)
         self._resolve_auto_values(objects)
         prepared = self.engine.prepare(*rest, device_placement=places) if rest else ()
         remaining = iter((prepared,) if len(rest) == 1 else prepared)
         out = [self.prepare_scheduler(o) if s else next(remaining) for o, s in zip(objects, schedulers, strict=True)]
+        if any(isinstance(o, DummyOptim) for o in out):
+            raise ConfigError(
+                "a DummyOptim is built by DeepSpeed together with its model: pass the model and the DummyOptim to the "
+                "same prepare() call"
+            )
         for obj in out:
             self._register_comm_hook(obj)
         return out[0] if len(out) == 1 else tuple(out)
@@ -289,15 +305,32 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
             self.ddp_handler.register_comm_hook(obj)
             obj._trainer_ext_comm_hook = True
 
+    def _take_loop_objects(self, objects: tuple[Any, ...], schedulers: list[bool]) -> None:
+        """Let the strategy check the optimizer and scheduler against its own (DeepSpeed's blocks, placeholders)."""
+        optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer | DummyOptim)), None)
+        scheduler = next((o for o, s in zip(objects, schedulers, strict=True) if s), None)
+        schedule = None
+        if isinstance(scheduler, DummyScheduler):
+            # accelerate's reading: the total was counted over the unsharded loader, once per process
+            total = scheduler.total_num_steps
+            if total is not None and not self.split_batches:
+                total = math.ceil(total / self.num_processes)
+            schedule = (total, scheduler.warmup_num_steps)
+        self.engine.strategy.take_loop_objects(optimizer, scheduler, schedule)
+
     def _resolve_auto_values(self, objects: tuple[Any, ...]) -> None:
         """Let the strategy fill settings left to the loop (DeepSpeed's ``"auto"``) from what is being prepared."""
         loaders = [o for o in objects if isinstance(o, DataLoader)]
-        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer | DummyOptim)]
+        defaults = {}
+        if optimizers:
+            first = optimizers[0]
+            defaults = first.hyper_parameters() if isinstance(first, DummyOptim) else first.defaults
         self.engine.strategy.resolve_auto_values(
             micro_batch_size=(loaders[0].batch_size or 1) if loaders else 1,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             max_grad_norm=self.deepspeed_max_grad_norm,
-            optimizer_defaults=optimizers[0].defaults if optimizers else {},
+            optimizer_defaults=defaults,
             mixed_precision=self.mixed_precision,
         )
 
@@ -324,9 +357,17 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
         return self.engine.prepare_dataloader(data_loader, device_placement=device_placement)
 
-    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        if isinstance(scheduler, PreparedScheduler):
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler | SteppedByEngine:
+        if isinstance(scheduler, PreparedScheduler | SteppedByEngine):
             return scheduler
+        if isinstance(scheduler, DummyScheduler):
+            built = self.engine.strategy.backend_scheduler()
+            if built is None:
+                raise ConfigError(
+                    "a DummyScheduler stands for the scheduler DeepSpeed builds with its engine: pass it to the same "
+                    "prepare() call as the model and optimizer"
+                )
+            return SteppedByEngine(built)
         prepared = PreparedScheduler(scheduler, self, self.step_scheduler_with_optimizer)
         self._schedulers.append(prepared)
         return prepared

@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 from .accelerator_options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from .distributed.deepspeed_plugin import DeepSpeedPlugin
 from .distributed.fsdp_config import FSDPSettings, parse_fsdp
 from .distributed.shuffle import RNG_TYPES
 from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
@@ -15,8 +16,6 @@ from .errors import ConfigError
 
 # accelerate arguments that configure its own plugins; ours take plain settings instead
 _PLUGINS = {
-    "deepspeed_plugin": "deepspeed_config=<a DeepSpeed JSON path or dict>",
-    "deepspeed_plugins": "deepspeed_config=<a DeepSpeed JSON path or dict>",
     "fsdp_plugin": "fsdp_config=<a preset path such as configs/fsdp/full_shard.yaml, or a dict of its keys>",
     "torch_tp_plugin": None,
     "megatron_lm_plugin": None,
@@ -51,6 +50,33 @@ def refuse_plugins(arguments: dict[str, Any]) -> None:
         if arguments.get(name) is not None:
             fix = f"pass {instead}" if instead else "it has no counterpart in trainer_ext (see docs/accelerator.md)"
             raise ConfigError(f"Accelerator({name}=...) configures accelerate's own engine; {fix}")
+
+
+def deepspeed_settings(plugin: Any, plugins: Any, config: Any) -> tuple[Any, DeepSpeedPlugin | None]:
+    """``deepspeed_plugin=`` (or its alias ``deepspeed_plugins=``) or our ``deepspeed_config=``: the config the
+    strategy trains with, and the plugin ``accelerator.state.deepspeed_plugin`` shows (it reads the same config)."""
+    if plugin is not None and plugins is not None:
+        raise ConfigError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
+    plugin = plugin if plugin is not None else plugins
+    if plugin is None:
+        if config is None:
+            return None, None
+        plugin = DeepSpeedPlugin.view(config)
+        return plugin.hf_ds_config, plugin
+    if isinstance(plugin, dict):
+        raise ConfigError(
+            "several DeepSpeed plugins (a dict, one per model) are not supported by trainer_ext; pass one "
+            "DeepSpeedPlugin"
+        )
+    if not isinstance(plugin, DeepSpeedPlugin):
+        raise ConfigError(
+            f"deepspeed_plugin must be a trainer_ext.DeepSpeedPlugin, got {type(plugin).__module__}."
+            f"{type(plugin).__qualname__}; build it with `from trainer_ext import DeepSpeedPlugin`, or pass "
+            "deepspeed_config=<a DeepSpeed JSON path or dict>"
+        )
+    if config is not None:
+        raise ConfigError("deepspeed_plugin and deepspeed_config both configure DeepSpeed; give one")
+    return plugin.hf_ds_config, plugin
 
 
 def dataloader_configuration(

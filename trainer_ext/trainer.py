@@ -20,6 +20,7 @@ from .auto_batch import AutoBatchMixin
 from .callbacks import BarrierCallback, MainProcessLoggingCallback, UnwrapAndSaveCallback
 from .callbacks.duties import DutyCallbackHandler
 from .callbacks.run_summary import RunSummaryCallback
+from .distributed.deepspeed_plugin import SteppedByEngine
 from .distributed.engine import Engine
 from .errors import ConfigError
 from .exact_eval import ExactEvalLossMixin
@@ -57,25 +58,6 @@ _ACCUMULATION_DEFAULTS = {
     "sync_with_dataloader": True,
     "sync_each_batch": False,
 }
-
-
-class SteppedByEngine:
-    """A scheduler the backend (DeepSpeed's engine) steps at each boundary; the Trainer's ``step()`` does nothing."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
 
 
 def _foreign_arguments(args: Any) -> str:

@@ -170,6 +170,9 @@ class DeepSpeedInputs:
     weight_decay: float = 0.0
     fp16: bool = False
     bf16: bool = False
+    # an optimizer/scheduler value written out in the config that differs from these: an error (the
+    # TrainingArguments), or the config's to keep (a loop's optimizer, as accelerate fills only "auto")
+    optimizer_must_match: bool = True
 
     @property
     def train_batch_size(self) -> int:
@@ -261,13 +264,14 @@ def resolve_auto(config: dict, inputs: DeepSpeedInputs, source: str | None = Non
     )
     f.fill("gradient_clipping", clip, f"--max_grad_norm={inputs.max_grad_norm}", if_missing=True)
     lr = inputs.learning_rate
-    f.fill("optimizer.params.lr", lr, f"--learning_rate={lr}")
+    checked = (lambda flag: flag) if inputs.optimizer_must_match else (lambda flag: None)
+    f.fill("optimizer.params.lr", lr, checked(f"--learning_rate={lr}"))
     betas = [inputs.adam_beta1, inputs.adam_beta2]
-    f.fill("optimizer.params.betas", betas, f"--adam_beta1={betas[0]} --adam_beta2={betas[1]}")
-    f.fill("optimizer.params.eps", inputs.adam_epsilon, f"--adam_epsilon={inputs.adam_epsilon}")
-    f.fill("optimizer.params.weight_decay", inputs.weight_decay, f"--weight_decay={inputs.weight_decay}")
+    f.fill("optimizer.params.betas", betas, checked(f"--adam_beta1={betas[0]} --adam_beta2={betas[1]}"))
+    f.fill("optimizer.params.eps", inputs.adam_epsilon, checked(f"--adam_epsilon={inputs.adam_epsilon}"))
+    f.fill("optimizer.params.weight_decay", inputs.weight_decay, checked(f"--weight_decay={inputs.weight_decay}"))
     f.fill("scheduler.params.warmup_min_lr", 0, None)
-    f.fill("scheduler.params.warmup_max_lr", lr, f"--learning_rate={lr}")
+    f.fill("scheduler.params.warmup_max_lr", lr, checked(f"--learning_rate={lr}"))
     for name, on in (("fp16", inputs.fp16), ("bf16", inputs.bf16)):
         # a block that exists without "enabled" gets it; a missing block only when the flag is on
         f.fill(f"{name}.enabled", on, f"--{name}={on}", if_missing=on or name in config)
@@ -412,8 +416,9 @@ class DeepSpeedConfig:
 
     # -- our additions
     def resolve(self, inputs: DeepSpeedInputs) -> DeepSpeedConfig:
-        """Phase 1 in place (see :func:`resolve_auto`); returns self."""
-        self.config = resolve_auto(self.config, inputs, self.source)
+        """Phase 1 in place (see :func:`resolve_auto`); returns self. The dict stays the same object: whoever read
+        ``config`` earlier (a loop's ``deepspeed_plugin.deepspeed_config``) sees the values filled."""
+        self._replace(resolve_auto(self.config, inputs, self.source))
         return self
 
     def finalize(
@@ -423,8 +428,12 @@ class DeepSpeedConfig:
         num_warmup_steps: int | None = None,
     ) -> DeepSpeedConfig:
         """Phase 2 in place (see :func:`finalize`); returns self."""
-        self.config = finalize(self.config, hidden_size, num_training_steps, num_warmup_steps, self.source)
+        self._replace(finalize(self.config, hidden_size, num_training_steps, num_warmup_steps, self.source))
         return self
+
+    def _replace(self, resolved: dict) -> None:
+        self.config.clear()
+        self.config.update(resolved)
 
     def __repr__(self) -> str:
         return f"DeepSpeedConfig(stage={self.stage}, offload={self.is_offload()}, source={self.source!r})"

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from . import collectives
 from .accumulation import GradientState
 from .data import shard_dataloader
-from .optimizer import EngineOptimizer
+from .optimizer import EngineOptimizer, OptimizerPlaceholder
 from .precision import Precision
 from .state import DistributedType, DistState
 from .strategies import Strategy, resolve_strategy
@@ -168,7 +168,7 @@ class Engine:
         models = [
             i for i, o in enumerate(objects) if isinstance(o, torch.nn.Module) and not self.strategy.is_prepared(o)
         ]
-        optimizers = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer)]
+        optimizers = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer | OptimizerPlaceholder)]
         if not models or not optimizers:
             return  # a model alone is wrapped by prepare_model (evaluation); an optimizer alone waits
         m, o = models[0], optimizers[0]

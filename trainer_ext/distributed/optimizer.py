@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+class OptimizerPlaceholder:
+    """Stands for an optimizer the strategy's backend builds from its own config (accelerate's ``DummyOptim``):
+    ``prepare`` hands it to the strategy with its model and returns the optimizer built in its place."""
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer for an :class:`Engine`; ``optimizer`` is the original."""
 

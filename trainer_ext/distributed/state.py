@@ -212,6 +212,8 @@ class DistState:
     ``init=False`` reads the topology without touching ``torch.distributed`` (for tests and dry runs).
     """
 
+    deepspeed_plugin: Any = None  # accelerate's AcceleratorState.deepspeed_plugin: set by a DeepSpeed Accelerator
+
     def __init__(
         self,
         topology: Topology | None = None,

@@ -12,6 +12,7 @@ import torch
 
 from ...errors import ConfigError
 from ...saving import has_adapters, save_adapter, save_model
+from ..deepspeed_plugin import DummyOptim, DummyScheduler
 from ..state import DistributedType, DistState
 
 
@@ -102,6 +103,17 @@ class Strategy:
         mixed_precision: str,
     ) -> None:
         """Fill backend settings left to the loop (a hand-written loop's batch size, optimizer …); none here."""
+
+    def take_loop_objects(self, optimizer: Any, scheduler: Any, schedule: tuple[int | None, int] | None) -> None:
+        """Check what a hand-written loop passes to ``prepare`` against this backend. accelerate's placeholders
+        (``DummyOptim``/``DummyScheduler``) stand for a DeepSpeed config's blocks: refused here."""
+        for obj in (optimizer, scheduler):
+            if isinstance(obj, DummyOptim | DummyScheduler):
+                raise ConfigError(
+                    f"{type(obj).__name__} stands for the optimizer or scheduler block of a DeepSpeed config, and this "
+                    "Accelerator runs no DeepSpeed; pass deepspeed_config=... (or deepspeed_plugin=DeepSpeedPlugin(...)) "
+                    "to the Accelerator, or prepare a torch optimizer and scheduler"
+                )
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point an optimizer built before :meth:`wrap` at the parameters the wrapper trains (no-op here)."""

@@ -26,6 +26,7 @@ from ...errors import ConfigError
 from ...saving import save_model
 from .. import deepspeed_config
 from ..deepspeed_config import DeepSpeedConfig, check_resolved
+from ..deepspeed_plugin import DummyOptim, DummyScheduler
 from ..state import DistributedType, DistState, destroy_process_group
 from .base import Strategy
 
@@ -80,6 +81,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine: Any = None
         self._grad_norm: torch.Tensor | None = None
         self._owns_group = False
+        self._loop_steps: tuple[int | None, int | None] | None = None  # a loop's DummyScheduler: (total, warm-up)
+        self._loop_scheduler: Any = None  # a loop's DummyScheduler(lr_scheduler_callable=...)
 
     @property
     def config(self) -> dict:
@@ -118,8 +121,58 @@ class DeepSpeedStrategy(Strategy):
                 weight_decay=optimizer_defaults.get("weight_decay", 0.0),
                 fp16=mixed_precision == "fp16",
                 bf16=mixed_precision == "bf16",
+                optimizer_must_match=False,  # a value the config writes out is the config's (accelerate's rule)
             )
         )
+
+    def take_loop_objects(self, optimizer: Any, scheduler: Any, schedule: tuple[int | None, int] | None) -> None:
+        """accelerate's rules for a loop's optimizer and scheduler against the config's blocks, with its words.
+
+        A block is used through a placeholder (``DummyOptim``/``DummyScheduler``); a torch object and a block
+        together would leave one unused. ``schedule`` (a DummyScheduler's total and warm-up steps) fills the
+        scheduler block's ``"auto"`` values.
+        """
+        blocks = {name: name in self.config for name in ("optimizer", "scheduler")}
+        fix = "remove the block from the DeepSpeed config, or pass"
+        if optimizer is not None:
+            if blocks["optimizer"] and not isinstance(optimizer, DummyOptim):
+                raise ConfigError(
+                    "You cannot specify an optimizer in the config file and in the code at the same time: "
+                    f"{fix} trainer_ext.DummyOptim(params, lr=...) to use the block's optimizer"
+                )
+            if not blocks["optimizer"] and isinstance(optimizer, DummyOptim):
+                raise ConfigError(
+                    "You cannot create a `DummyOptim` without specifying an optimizer in the config file: add an "
+                    "'optimizer' block to the DeepSpeed config, or pass a torch optimizer"
+                )
+        if scheduler is not None:
+            if blocks["scheduler"] and not isinstance(scheduler, DummyScheduler):
+                raise ConfigError(
+                    "You cannot specify a scheduler in the config file and in the code at the same time: "
+                    f"{fix} trainer_ext.DummyScheduler(optimizer, ...) to use the block's scheduler"
+                )
+            if not blocks["scheduler"] and isinstance(scheduler, DummyScheduler):
+                if scheduler.lr_scheduler_callable is None:
+                    raise ConfigError(
+                        "Either specify a scheduler in the config file or pass in the `lr_scheduler_callable` "
+                        "parameter when using `DummyScheduler`"
+                    )
+        if isinstance(optimizer, DummyOptim) and scheduler is not None and not isinstance(scheduler, DummyScheduler):
+            raise ConfigError(
+                "A `DummyOptim` stands for the config's optimizer, which the code's scheduler cannot be built on: pass "
+                "`DummyScheduler(optimizer, lr_scheduler_callable=...)` to make the scheduler from DeepSpeed's optimizer"
+            )
+        if not isinstance(scheduler, DummyScheduler):
+            return
+        if scheduler.lr_scheduler_callable is not None and not blocks["scheduler"]:
+            self._loop_scheduler = scheduler.lr_scheduler_callable
+        elif schedule is not None:
+            total, warmup = schedule
+            auto = self.hf_config.is_auto
+            self._loop_steps = (
+                total if auto("scheduler.params.total_num_steps") else None,
+                warmup if auto("scheduler.params.warmup_num_steps") else None,
+            )
 
     def input_dtype(self) -> torch.dtype | None:
         """The engine's dtype once the config is resolved (before that the model is still in float32)."""
@@ -161,6 +214,7 @@ class DeepSpeedStrategy(Strategy):
         optimizer: torch.optim.Optimizer | Callable | None = None,
         lr_scheduler: Any = None,
         config: dict | None = None,
+        params: Iterable[Any] | None = None,
     ) -> tuple[Any, Any, Any]:
         """``deepspeed.initialize`` on our process group; returns ``(engine, optimizer, scheduler)``.
 
@@ -168,7 +222,8 @@ class DeepSpeedStrategy(Strategy):
         giving both an object and a block is refused (one would be ignored). ``lr_scheduler`` may be a
         callable taking the optimizer (for a scheduler on a config-built optimizer). The engine steps
         the scheduler at each boundary: callers must not step it again. ``config`` replaces the strategy's own
-        for this engine (the evaluation engine of :meth:`wrap`).
+        for this engine (the evaluation engine of :meth:`wrap`). ``params`` (parameters or groups) are what a
+        config-built optimizer trains (default: every parameter that requires a gradient).
         """
         config = dict(self.config if config is None else config)
         check_resolved(config)
@@ -185,7 +240,8 @@ class DeepSpeedStrategy(Strategy):
                 # without DeepSpeedCPUAdam (a compiled op) the torch optimizer steps the offloaded state
                 config.setdefault("zero_force_ds_cpu_optimizer", False)
         deepspeed = self.deepspeed_module()
-        params = [p for p in model.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -202,12 +258,16 @@ class DeepSpeedStrategy(Strategy):
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
     ) -> tuple[Any, Any]:
         """Fill the model- and schedule-derived ``"auto"`` values, then :meth:`initialize`; returns
-        ``(engine, optimizer)``. An ``optimizer`` block in the config wins over ``optimizer`` (left unused)."""
-        steps, warmup = training_steps or (None, None)
+        ``(engine, optimizer)``. An ``optimizer`` block in the config wins over ``optimizer`` (left unused); a
+        loop's ``DummyOptim`` gives the block its parameters (see :meth:`take_loop_objects`)."""
+        steps, warmup = training_steps or self._loop_steps or (None, None)
         self.hf_config.finalize(
             hidden_size=deepspeed_config.model_hidden_size(model), num_training_steps=steps, num_warmup_steps=warmup
         )
-        engine, ds_optimizer, _ = self.initialize(model, None if "optimizer" in self.config else optimizer)
+        if isinstance(optimizer, DummyOptim):
+            engine, ds_optimizer, _ = self.initialize(model, None, self._loop_scheduler, params=optimizer.params)
+        else:
+            engine, ds_optimizer, _ = self.initialize(model, None if "optimizer" in self.config else optimizer)
         return engine, ds_optimizer
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
