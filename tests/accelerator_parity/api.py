@@ -24,6 +24,9 @@ NAMES = (
     "find_executable_batch_size",
     "get_logger",
     "LocalSGD",
+    "DeepSpeedPlugin",
+    "DummyOptim",
+    "DummyScheduler",
 )
 # where accelerate keeps the names that are not in accelerate.utils
 STOCK_MODULES = {

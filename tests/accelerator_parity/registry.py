@@ -44,4 +44,5 @@ SCENARIOS: dict[str, Spec] = {
     "dispatch_batches": Spec(),
     "resume_iterable": Spec(RESUME, ours_only=("resumed_by_load_state",)),
     "resume_iterable_read_by_every_rank": Spec(RESUME, ours_only=("resumed_by_load_state",)),
+    "deepspeed_config_support": Spec(("config_blocks", "torch_objects")),
 }

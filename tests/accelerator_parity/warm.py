@@ -19,7 +19,7 @@ import safetensors.torch  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import transformers  # noqa: E402
 
-from tests.accelerator_parity import scenarios_data, scenarios_misc, scenarios_train  # noqa: E402, F401
+from tests.accelerator_parity import scenarios_data, scenarios_deepspeed, scenarios_misc, scenarios_train  # noqa: E402, F401
 
 transformers.LlamaForCausalLM  # noqa: B018  (transformers imports its modules on first use)
 if IMPL == "ours":
