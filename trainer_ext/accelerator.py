@@ -38,6 +38,7 @@ from .accelerator_setup import (
     accumulation_settings,
     dataloader_configuration,
     deepspeed_settings,
+    launched_deepspeed_config,
     refuse_plugins,
     rng_types_for,
     strategy_settings,
@@ -124,6 +125,8 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
         mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
         check_precision(mode, state.device)
+        if deepspeed_plugin is None and deepspeed_plugins is None and deepspeed_config is None:
+            deepspeed_config = launched_deepspeed_config(fsdp_config)
         ds_config, ds_plugin = deepspeed_settings(deepspeed_plugin, deepspeed_plugins, deepspeed_config)
         strategy, options = strategy_settings(fsdp_config, ds_config, self.ddp_handler)
         config = self.dataloader_config

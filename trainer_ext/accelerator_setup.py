@@ -11,6 +11,7 @@ from .accelerator_options import DataLoaderConfiguration, DistributedDataParalle
 from .distributed.deepspeed_plugin import DeepSpeedPlugin
 from .distributed.fsdp_config import FSDPSettings, parse_fsdp
 from .distributed.shuffle import RNG_TYPES
+from .env_vars import DEEPSPEED_CONFIG as _ENV_DEEPSPEED  # what `trainer-ext launch --deepspeed` exports
 from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
 from .errors import ConfigError
 
@@ -50,6 +51,18 @@ def refuse_plugins(arguments: dict[str, Any]) -> None:
         if arguments.get(name) is not None:
             fix = f"pass {instead}" if instead else "it has no counterpart in trainer_ext (see docs/accelerator.md)"
             raise ConfigError(f"Accelerator({name}=...) configures accelerate's own engine; {fix}")
+
+
+def launched_deepspeed_config(fsdp_config: Any) -> str | None:
+    """The DeepSpeed config ``trainer-ext launch --deepspeed`` gave a script (accelerate's ``launch --use_deepspeed``),
+    for an Accelerator that names no DeepSpeed settings of its own; None without one."""
+    launched = os.environ.get(_ENV_DEEPSPEED)
+    if launched and fsdp_config is not None:
+        raise ConfigError(
+            f"trainer-ext launch was given a DeepSpeed config ({_ENV_DEEPSPEED}={launched}) and this Accelerator an "
+            "fsdp_config; launch without --deepspeed, or drop fsdp_config"
+        )
+    return launched or None
 
 
 def deepspeed_settings(plugin: Any, plugins: Any, config: Any) -> tuple[Any, DeepSpeedPlugin | None]:

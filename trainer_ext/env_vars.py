@@ -11,6 +11,9 @@ from __future__ import annotations
 # ours, for a user's script or module (``train`` gets flags instead)
 MIXED_PRECISION = "ACCELERATE_MIXED_PRECISION"  # accelerate's name, so transformers' TrainingArguments reads it
 GRADIENT_ACCUMULATION_STEPS = "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"
+# the launch's DeepSpeed config (a path or the JSON itself), taken by a script's TrainingArguments and Accelerator that
+# name none themselves, as accelerate's `launch --use_deepspeed` makes them (ACCELERATE_USE_DEEPSPEED)
+DEEPSPEED_CONFIG = "TRAINER_EXT_DEEPSPEED_CONFIG"
 # the level of trainer_ext.get_logger's loggers when none is given (accelerate's name, read as accelerate reads it)
 LOG_LEVEL = "ACCELERATE_LOG_LEVEL"
 # where the launcher looks for its config file when --config_file is not given

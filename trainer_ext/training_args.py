@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers.training_args import ParallelMode
 
-from . import _compat
+from . import _compat, env_vars
 from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .distributed.fsdp_config import fsdp_requested, normalized_config, parse_fsdp
 from .distributed.rules import check_precision, claim_world
@@ -120,6 +120,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         _compat.install()  # transformers' argument code reads accelerate names (DistributedType) from here on
+        self._take_launched_deepspeed()
         self._refuse_unsupported()
         self._check_values()
         if (
@@ -149,6 +150,19 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.fsdp_plugin_args is not None:
             self._claim_world("fsdp")
         self.hf_deepspeed_config = self._deepspeed_config() if self.deepspeed else None
+
+    def _take_launched_deepspeed(self) -> None:
+        """``trainer-ext launch --deepspeed FILE script.py``: arguments that name no DeepSpeed config (nor FSDP)
+        train with the launch's, as transformers' do under ``accelerate launch --use_deepspeed``."""
+        launched = os.environ.get(env_vars.DEEPSPEED_CONFIG)
+        if not launched or self.deepspeed:
+            return
+        if fsdp_requested(self.fsdp):
+            raise ConfigError(
+                f"trainer-ext launch was given a DeepSpeed config ({env_vars.DEEPSPEED_CONFIG}={launched}) and these "
+                "arguments ask for FSDP (--fsdp); launch without --deepspeed, or drop --fsdp"
+            )
+        self.deepspeed = launched
 
     def _deepspeed_config(self) -> DeepSpeedConfig:
         """Read, check and resolve the ``"auto"`` values of ``--deepspeed``; register it with transformers.

@@ -15,7 +15,12 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "home"
     path.mkdir()
     monkeypatch.setenv("HOME", str(path))
-    for name in ("TRAINER_EXT_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"):
+    for name in (
+        "TRAINER_EXT_CONFIG_FILE",
+        "ACCELERATE_MIXED_PRECISION",
+        "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS",
+        "TRAINER_EXT_DEEPSPEED_CONFIG",
+    ):
         monkeypatch.delenv(name, raising=False)
     return path
 

@@ -244,10 +244,18 @@ def test_unknown_option_module_and_missing_target(gpus, capsys):
     assert "--gpu_ids needs a value" in error_of(capsys, "--gpu_ids")
 
 
-def test_deepspeed_is_not_silently_dropped_for_a_script(gpus, tmp_path, capsys, script):
+def test_deepspeed_reaches_a_script_through_its_variable_and_fsdp_is_refused(gpus, tmp_path, capsys, script):
     ds = tmp_path / "ds.json"
-    ds.write_text("{}")
-    assert "passed on only to `trainer-ext launch ... train`" in error_of(capsys, "--deepspeed", str(ds), script)
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    settings, plan = plan_of("--deepspeed", str(ds), script)
+    assert plan.env["TRAINER_EXT_DEEPSPEED_CONFIG"] == str(ds)
+    assert any("TRAINER_EXT_DEEPSPEED_CONFIG is set" in note for note in plan.notes)
+    # a file DeepSpeed cannot use stops the launch (exit 2) before any process starts
+    ds.write_text('{"zero_optimization": {"stage": 7}}')
+    assert "stage" in error_of(capsys, "--deepspeed", str(ds), script)
+    fsdp = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "full_shard.yaml"
+    err = error_of(capsys, "--fsdp_config", str(fsdp), script)
+    assert "passed on only to `trainer-ext launch ... train`" in err and "fsdp_config=FILE" in err
 
 
 def test_a_port_in_use_is_refused(gpus, capsys, script):

@@ -142,3 +142,36 @@ def test_one_process_is_restarted_after_a_crash(tmp_path, home):
     assert proc.returncode == 0, err[-3000:]
     attempts = {p.name: p.read_text() for p in tmp_path.glob("attempt-*")}
     assert attempts == {"attempt-0": "127.0.0.1", "attempt-1": "127.0.0.1"}
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_given_to_the_launcher_reaches_an_unchanged_script(tmp_path, home):
+    """`trainer-ext launch --deepspeed FILE script.py` as `accelerate launch --use_deepspeed`: the script's
+    Accelerator() and TrainingArguments name no DeepSpeed config and train with the launch's."""
+    pytest.importorskip("deepspeed")
+    config = {
+        "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"},
+        },
+    }
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = environment(home, DS_ACCELERATOR="cpu")
+    job = Path(__file__).with_name("ds_launch_job.py")
+    finish(launch("--cpu", "--num_processes", "2", "--deepspeed", str(ds), str(job), str(out), env=env))
+    infos = ranks(out)
+    assert [i["rank"] for i in infos] == [0, 1] and {i["world"] for i in infos} == {2}
+    for info in infos:
+        assert info["distributed_type"] == "DEEPSPEED" and info["zero_stage"] == 2
+        assert info["variable"] == str(ds) and info["trainer_arguments_deepspeed"] == str(ds)
+        assert info["trainer_arguments_stage"] == 2
+        # 8 batches of 4 over 2 ranks: 4 steps; DeepSpeed's WarmupDecayLR from DummyScheduler(total 8 / 2, warm-up 2)
+        assert info["lrs"] == pytest.approx([0.0, 0.05, 0.05, 0.025])
+    assert infos[0]["losses"] == infos[1]["losses"]

@@ -115,3 +115,13 @@ def test_plugin_arguments_are_checked() -> None:
         Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(), deepspeed_plugins=DeepSpeedPlugin())
     with pytest.raises(ConfigError, match="give one"):
         Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(), deepspeed_config={"zero_optimization": {}})
+
+
+def test_a_launched_deepspeed_config_and_fsdp_in_the_script_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer_ext import TrainingArguments
+
+    monkeypatch.setenv("TRAINER_EXT_DEEPSPEED_CONFIG", '{"zero_optimization": {"stage": 2}}')
+    with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop fsdp_config"):
+        Accelerator(cpu=True, fsdp_config={"reshard_after_forward": True})
+    with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop --fsdp"):
+        TrainingArguments(output_dir="unused", fsdp="full_shard", report_to=[])

@@ -117,7 +117,22 @@ def translate_for_script(s: Settings, target: Target, notes: list[str], strategy
         )
     if not strategy:
         _strategy_ignored(s, notes)
+    elif s["deepspeed"]:
+        config = s["deepspeed"]
+        _check_deepspeed_file(config)
+        env[env_vars.DEEPSPEED_CONFIG] = config if isinstance(config, str) else json.dumps(config, sort_keys=True)
+        notes.append(
+            f"deepspeed from {s.sources['deepspeed']}: {env_vars.DEEPSPEED_CONFIG} is set; a TrainingArguments or "
+            "Accelerator in the script that names no DeepSpeed config (or FSDP) of its own trains with it"
+        )
     return env
+
+
+def _check_deepspeed_file(config: Any) -> None:
+    """Read and check the config before any process starts (a bad file is a launch error, exit 2)."""
+    from ...distributed.deepspeed_config import load_deepspeed_config
+
+    load_deepspeed_config(config)
 
 
 def _strategy_ignored(s: Settings, notes: list[str]) -> None:
@@ -127,15 +142,14 @@ def _strategy_ignored(s: Settings, notes: list[str]) -> None:
 
 
 def strategy_problems(s: Settings, target: Target | None, strategy: bool = True) -> list[str]:
-    """DeepSpeed/FSDP settings are turned into flags for ``train`` only; a script must take them itself."""
-    if not strategy or target is None or target.kind == "train":
+    """FSDP settings are turned into flags for ``train`` only: a script must take them itself (a DeepSpeed config
+    reaches a script through ``TRAINER_EXT_DEEPSPEED_CONFIG``)."""
+    if not strategy or target is None or target.kind == "train" or not s["fsdp_config"]:
         return []
     return [
-        f"{name} ({s.sources[name]}) is passed on only to `trainer-ext launch ... train`; for {target.name}, give "
-        f"the file to your own TrainingArguments (e.g. --{'deepspeed' if name == 'deepspeed' else 'fsdp_config'} "
-        "FILE among its arguments) and launch without it"
-        for name in ("deepspeed", "fsdp_config")
-        if s[name]
+        f"fsdp_config ({s.sources['fsdp_config']}) is passed on only to `trainer-ext launch ... train`; for "
+        f"{target.name}, give the file to your own TrainingArguments (--fsdp full_shard --fsdp_config FILE among its "
+        "arguments) or Accelerator (fsdp_config=FILE) and launch without it"
     ]
 
 

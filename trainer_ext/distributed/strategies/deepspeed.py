@@ -478,6 +478,10 @@ def start_communication(state: DistState, build_cpu_shm_comm: bool = False) -> t
 
     Returns the module and whether this call created a one-rank process group (its creator destroys it).
     """
+    if state.device.type == "cpu":
+        os.environ.setdefault(
+            "DS_ACCELERATOR", "cpu"
+        )  # as TrainingArguments does: DeepSpeed picks its device at import
     deepspeed = import_deepspeed()
     accelerator = deepspeed.get_accelerator().device_name()
     if state.device.type != accelerator:
