@@ -10,7 +10,9 @@ installed, by transformers' own Trainer with the same settings (``stock-trainer`
 ``torch.distributed.run`` launch on CPU/gloo (CUDA/NCCL when present and ``--cpu`` is not given). Every
 runner does the same work per optimizer step: forward, backward, clip to 1.0, AdamW, linear LR schedule.
 The table gives steps/s (with its spread over the repeats: the noise), the ratio to the raw loop of the same
-strategy, and the peak resident memory of the largest rank. The ratio is the framework's overhead; across
+strategy, the CPU time all ranks spent per step (``time.process_time``, the least over the repeats) with the raw
+loop's over it (``cpu ratio``: the work a framework adds, waiting excluded; on a shared 2-core machine it moves with
+the load much as the rate does), and the peak resident memory of the largest rank. The ratio is the framework's overhead; across
 strategies, compare memory, not speed (on CPU the sharded engines pay for communication that DDP does not). ``--count_calls`` lists instead what each runner
 calls per step that can make a rank wait (collectives, host reads of tensors: ``benchmarks/step_calls.py``).
 """
@@ -263,6 +265,8 @@ def _child(opts: argparse.Namespace) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peak_t = torch.tensor([peak], device=device if use_cuda else "cpu")
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    cpu_t = torch.tensor([clock.cpu_per_step()], dtype=torch.float64, device=peak_t.device)
+    dist.all_reduce(cpu_t)  # every rank's CPU time per step, summed
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         rate = clock.rate()
@@ -271,6 +275,7 @@ def _child(opts: argparse.Namespace) -> None:
             "tokens_per_s": rate * cfg["batch"] * cfg["seq"] * world,
             "first_step_s": clock.first,
             "peak_memory_mb": float(peak_t.item()),
+            "cpu_s_per_step": float(cpu_t.item()),
             "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         }
         if counter is not None:
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(
         f"{'strategy':9} {'runner':13} {'steps/s':>8} {'spread':>6} {'tokens/s':>10} {'ratio':>6} {'vs hf':>6} "
-        f"{'peak MB/rank':>13}"
+        f"{'cpu ms/step':>11} {'cpu ratio':>9} {'peak MB/rank':>13}"
     )
     for name, r in results.items():
         framework, strategy = name.split(":")
@@ -374,9 +379,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf = results.get(f"raw-hf:{strategy}") if framework.endswith("trainer") else None
         r["ratio_to_raw_hf"] = r["steps_per_s"] / hf["steps_per_s"] if hf else None
         vs_hf = f"{r['ratio_to_raw_hf']:.3f}" if hf else "-"
+        # CPU time of all ranks per step: the raw loop's over this runner's (1 = no extra work; >1 = less)
+        r["cpu_ratio_to_raw"] = base["cpu_s_per_step"] / r["cpu_s_per_step"] if base else None
+        cpu_ratio = f"{r['cpu_ratio_to_raw']:.3f}" if base else "-"
         print(
             f"{strategy:9} {framework:13} {r['steps_per_s']:8.2f} {spread_text(r):>6} {r['tokens_per_s']:10.0f} "
-            f"{ratio:>6} {vs_hf:>6} {r['peak_memory_mb']:13.0f}"
+            f"{ratio:>6} {vs_hf:>6} {1000 * r['cpu_s_per_step']:11.1f} {cpu_ratio:>9} {r['peak_memory_mb']:13.0f}"
         )
     report = {"config": opts.config, "ranks": opts.nproc, "device": device, "results": results}
     if opts.json:
