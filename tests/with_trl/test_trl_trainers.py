@@ -1,7 +1,8 @@
 """TRL's trainers on our engine through ``trainer_ext.adapt``: the same losses as TRL's stock path, 2 processes as 1,
 and a resumed run bitwise equal to the uninterrupted one.
 
-Each case is ``trl_job`` (a TRL quick-start script on a tiny Llama and local rows) run in its own process: ``stock``
+Each case is ``trl_job`` (a TRL quick-start script on a tiny Llama and local rows) run in its own process (one plain
+``python`` process, or 2 ranks forked from the warm server with torchrun's variables: ``tests.helpers.ranks``): ``stock``
 is TRL as installed (accelerate underneath), ``ours`` changes one line, ``Trainer = adapt(Trainer)``. Measured on CPU
 fp32: stock and ours agree bitwise, and 2 processes agree with 1 within 2.4e-7 relative (reward; SFT 1.3e-7, DPO
 1.1e-7: another reduction order).
@@ -27,6 +28,7 @@ pytest.importorskip("trl")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from tests.helpers.ranks import run_ranks  # noqa: E402
 from tests.with_trl.trl_job import TRAINERS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +60,14 @@ def _cached(trainer: str, impl: str, name: str, nproc: int, resume_from: str | N
         shutil.copytree(source, out / "checkpoint-3")
         extra.append("--resume")
     batch = 4 // nproc
-    job = ["-m", "tests.with_trl.trl_job", "--trainer", trainer, "--impl", impl, "--out", str(out)]
-    job += ["--per_device_train_batch_size", str(batch), *extra]
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *job]
-    else:
-        command = [sys.executable, *job]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    args = ["--trainer", trainer, "--impl", impl, "--out", str(out), "--per_device_train_batch_size", str(batch)]
+    if nproc > 1:  # ranks forked from the warm server, with torchrun's variables (or torchrun itself)
+        run_ranks("tests.with_trl.trl_job", nproc, *args, *extra, timeout=600)
+    else:  # one plain process, as `python script.py` (no launcher variables: accelerate's NO, not MULTI_CPU)
+        command = [sys.executable, "-m", "tests.with_trl.trl_job", *args, *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     result = json.loads((out / "result.json").read_text())
     result["weights"] = load_file(out / "final" / "model.safetensors")
     return result
