@@ -479,9 +479,8 @@ def start_communication(state: DistState, build_cpu_shm_comm: bool = False) -> t
     Returns the module and whether this call created a one-rank process group (its creator destroys it).
     """
     if state.device.type == "cpu":
-        os.environ.setdefault(
-            "DS_ACCELERATOR", "cpu"
-        )  # as TrainingArguments does: DeepSpeed picks its device at import
+        # as TrainingArguments does (for models built before any engine): DeepSpeed picks its device at import
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_deepspeed()
     accelerator = deepspeed.get_accelerator().device_name()
     if state.device.type != accelerator:
