@@ -241,7 +241,7 @@ def test_dataloader_configuration_attributes() -> None:
 
 
 def test_plugins_and_unknown_rng_types_are_refused_with_our_setting() -> None:
-    with pytest.raises(ConfigError, match="fsdp_config="):
+    with pytest.raises(TypeError, match="must be a FullyShardedDataParallelPlugin object"):  # accelerate's type
         Accelerator(cpu=True, fsdp_plugin=object())
     with pytest.raises(ConfigError, match="deepspeed_config="):
         Accelerator(cpu=True, deepspeed_plugin=object())

@@ -31,6 +31,7 @@ _EXPORTS = {
     "DeepSpeedPlugin": "trainer_ext.distributed.deepspeed_plugin",
     "DummyOptim": "trainer_ext.distributed.deepspeed_plugin",
     "DummyScheduler": "trainer_ext.distributed.deepspeed_plugin",
+    "FullyShardedDataParallelPlugin": "trainer_ext.distributed.fsdp_plugin",
     "LocalSGD": "trainer_ext.local_sgd",
     "find_executable_batch_size": "trainer_ext.loop_helpers",
     "set_seed": "trainer_ext.loop_helpers",

@@ -38,6 +38,7 @@ from .accelerator_setup import (
     accumulation_settings,
     dataloader_configuration,
     deepspeed_settings,
+    fsdp_settings,
     launched_deepspeed_config,
     refuse_plugins,
     rng_types_for,
@@ -125,10 +126,12 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
         mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
         check_precision(mode, state.device)
+        fsdp_named = fsdp_config is not None or fsdp_plugin is not None
         if deepspeed_plugin is None and deepspeed_plugins is None and deepspeed_config is None:
-            deepspeed_config = launched_deepspeed_config(fsdp_config)
+            deepspeed_config = launched_deepspeed_config(fsdp_named)
         ds_config, ds_plugin = deepspeed_settings(deepspeed_plugin, deepspeed_plugins, deepspeed_config)
-        strategy, options = strategy_settings(fsdp_config, ds_config, self.ddp_handler)
+        fsdp, fsdp_view = fsdp_settings(fsdp_plugin, fsdp_config, ds_config is not None)
+        strategy, options = strategy_settings(fsdp, ds_config, self.ddp_handler)
         config = self.dataloader_config
         self.rng_types = rng_types_for(rng_types)
         self.engine = Engine(
@@ -153,6 +156,7 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
             autocast_kwargs=self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None,
         )
         state.deepspeed_plugin = ds_plugin
+        state.fsdp_plugin = fsdp_view
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.scheduler_counts_optimizer_steps = bool(scheduler_counts_optimizer_steps)

@@ -10,14 +10,15 @@ from typing import Any
 from .accelerator_options import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
 from .distributed.deepspeed_plugin import DeepSpeedPlugin
 from .distributed.fsdp_config import FSDPSettings, parse_fsdp
+from .distributed.fsdp_plugin import FullyShardedDataParallelPlugin
 from .distributed.shuffle import RNG_TYPES
 from .env_vars import DEEPSPEED_CONFIG as _ENV_DEEPSPEED  # what `trainer-ext launch --deepspeed` exports
+from .env_vars import FSDP_CONFIG as _ENV_FSDP  # what `trainer-ext launch --fsdp_config` exports
 from .env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
 from .errors import ConfigError
 
 # accelerate arguments that configure its own plugins; ours take plain settings instead
 _PLUGINS = {
-    "fsdp_plugin": "fsdp_config=<a preset path such as configs/fsdp/full_shard.yaml, or a dict of its keys>",
     "torch_tp_plugin": None,
     "megatron_lm_plugin": None,
     "parallelism_config": None,
@@ -53,16 +54,44 @@ def refuse_plugins(arguments: dict[str, Any]) -> None:
             raise ConfigError(f"Accelerator({name}=...) configures accelerate's own engine; {fix}")
 
 
-def launched_deepspeed_config(fsdp_config: Any) -> str | None:
+def launched_deepspeed_config(fsdp_named: bool) -> str | None:
     """The DeepSpeed config ``trainer-ext launch --deepspeed`` gave a script (accelerate's ``launch --use_deepspeed``),
     for an Accelerator that names no DeepSpeed settings of its own; None without one."""
     launched = os.environ.get(_ENV_DEEPSPEED)
-    if launched and fsdp_config is not None:
+    if launched and fsdp_named:
         raise ConfigError(
-            f"trainer-ext launch was given a DeepSpeed config ({_ENV_DEEPSPEED}={launched}) and this Accelerator an "
-            "fsdp_config; launch without --deepspeed, or drop fsdp_config"
+            f"trainer-ext launch was given a DeepSpeed config ({_ENV_DEEPSPEED}={launched}) and this Accelerator FSDP "
+            "settings (fsdp_config or fsdp_plugin); launch without --deepspeed, or drop the FSDP settings"
         )
     return launched or None
+
+
+def fsdp_settings(
+    plugin: Any, config: Any, deepspeed_named: bool
+) -> tuple[FSDPSettings | None, FullyShardedDataParallelPlugin | None]:
+    """``fsdp_plugin=`` or our ``fsdp_config=`` (else the FSDP settings ``trainer-ext launch --fsdp_config`` gave the
+    script, as accelerate's ``launch --use_fsdp`` does): what FSDP2 applies, and the plugin ``state.fsdp_plugin``
+    shows."""
+    if plugin is not None and config is not None:
+        raise ConfigError("fsdp_plugin and fsdp_config both configure FSDP; give one")
+    if plugin is None and config is None:
+        if not os.environ.get(_ENV_FSDP):
+            return None, None
+        if deepspeed_named:
+            raise ConfigError(
+                f"trainer-ext launch was given FSDP settings ({_ENV_FSDP}) and this Accelerator DeepSpeed settings; "
+                "launch without --fsdp_config, or drop the DeepSpeed settings"
+            )
+        plugin = FullyShardedDataParallelPlugin()  # its fields take the launch's settings
+    if plugin is not None:
+        if not isinstance(plugin, FullyShardedDataParallelPlugin):  # a TypeError, as accelerate raises
+            raise TypeError(
+                f"`fsdp_plugin` must be a FullyShardedDataParallelPlugin object: got {type(plugin).__module__}."
+                f"{type(plugin).__qualname__}; build it with `from trainer_ext import FullyShardedDataParallelPlugin`"
+            )
+        return plugin.settings, plugin
+    settings = config if isinstance(config, FSDPSettings) else parse_fsdp(True, config)
+    return settings, FullyShardedDataParallelPlugin.view(settings)
 
 
 def deepspeed_settings(plugin: Any, plugins: Any, config: Any) -> tuple[Any, DeepSpeedPlugin | None]:
@@ -130,9 +159,8 @@ def strategy_settings(
         raise ConfigError("fsdp_config and deepspeed_config both shard the model; give one")
     if deepspeed_config is not None:  # resolved at prepare(), when the batch size and optimizer are known
         return "deepspeed", {"config": deepspeed_config}
-    if fsdp_config is not None:  # FSDP2: a preset path, a dict of fsdp_config keys, or FSDPSettings
-        settings = fsdp_config if isinstance(fsdp_config, FSDPSettings) else parse_fsdp(True, fsdp_config)
-        return "fsdp", {"settings": settings}
+    if fsdp_config is not None:  # FSDP2 settings, read by fsdp_settings
+        return "fsdp", {"settings": fsdp_config}
     if ddp_handler is not None:
         return None, ddp_handler.to_kwargs()
     return None, None

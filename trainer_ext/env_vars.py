@@ -14,6 +14,9 @@ GRADIENT_ACCUMULATION_STEPS = "TRAINER_EXT_GRADIENT_ACCUMULATION_STEPS"
 # the launch's DeepSpeed config (a path or the JSON itself), taken by a script's TrainingArguments and Accelerator that
 # name none themselves, as accelerate's `launch --use_deepspeed` makes them (ACCELERATE_USE_DEEPSPEED)
 DEEPSPEED_CONFIG = "TRAINER_EXT_DEEPSPEED_CONFIG"
+# the launch's FSDP2 settings (JSON of trainer_ext's FSDP keys), taken by a script's TrainingArguments and Accelerator that
+# name no FSDP or DeepSpeed settings of their own, as accelerate's `launch --use_fsdp` makes them (ACCELERATE_USE_FSDP)
+FSDP_CONFIG = "TRAINER_EXT_FSDP_CONFIG"
 # the level of trainer_ext.get_logger's loggers when none is given (accelerate's name, read as accelerate reads it)
 LOG_LEVEL = "ACCELERATE_LOG_LEVEL"
 # where the launcher looks for its config file when --config_file is not given

@@ -17,7 +17,7 @@ from transformers.training_args import ParallelMode
 
 from . import _compat, env_vars
 from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
-from .distributed.fsdp_config import fsdp_requested, normalized_config, parse_fsdp
+from .distributed.fsdp_config import fsdp_requested, launched_fsdp_settings, normalized_config, parse_fsdp
 from .distributed.rules import check_precision, claim_world
 from .distributed.state import DistributedType, DistState
 from .distributed.strategies.deepspeed import DeepSpeedStrategy
@@ -121,6 +121,7 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
         _compat.install()  # transformers' argument code reads accelerate names (DistributedType) from here on
         self._take_launched_deepspeed()
+        self._take_launched_fsdp()
         self._refuse_unsupported()
         self._check_values()
         if (
@@ -163,6 +164,19 @@ class TrainingArguments(transformers.TrainingArguments):
                 "arguments ask for FSDP (--fsdp); launch without --deepspeed, or drop --fsdp"
             )
         self.deepspeed = launched
+
+    def _take_launched_fsdp(self) -> None:
+        """``trainer-ext launch --fsdp_config FILE script.py``: arguments that ask for neither FSDP nor DeepSpeed train
+        with the launch's FSDP2 settings, as transformers' Trainer does under ``accelerate launch --use_fsdp``."""
+        launched = os.environ.get(env_vars.FSDP_CONFIG)
+        if not launched or fsdp_requested(self.fsdp):
+            return
+        if self.deepspeed:
+            raise ConfigError(
+                f"trainer-ext launch was given FSDP settings ({env_vars.FSDP_CONFIG}) and these arguments a DeepSpeed "
+                "config (--deepspeed); launch without --fsdp_config, or drop --deepspeed"
+            )
+        self.fsdp, self.fsdp_config = True, launched_fsdp_settings()
 
     def _deepspeed_config(self) -> DeepSpeedConfig:
         """Read, check and resolve the ``"auto"`` values of ``--deepspeed``; register it with transformers.

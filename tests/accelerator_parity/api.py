@@ -27,6 +27,7 @@ NAMES = (
     "DeepSpeedPlugin",
     "DummyOptim",
     "DummyScheduler",
+    "FullyShardedDataParallelPlugin",
 )
 # where accelerate keeps the names that are not in accelerate.utils
 STOCK_MODULES = {

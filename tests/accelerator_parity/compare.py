@@ -229,6 +229,14 @@ ALLOWED = (
         "total_parameters in the index (a plain module gets exactly accelerate's files)",
         ("save_model",),
     ),
+    Allowed(
+        r"\.topology\.(distributed_type|is_fsdp2|state_plugin_is_ours): stock ('MULTI_CPU'|'NO'|false), ours "
+        r"('FSDP'|true)$",
+        "accelerate enables FSDP on GPUs only: on CPU processes it ignores fsdp_plugin and trains DDP (MULTI_CPU, no "
+        "state.fsdp_plugin); trainer_ext shards with FSDP2 on the CPU too. The plugin's fields, its refusals, the "
+        "losses, learning rates, evaluation and gathered weights are compared and must agree",
+        ("fsdp_plugin",),
+    ),
 )
 
 

@@ -45,4 +45,5 @@ SCENARIOS: dict[str, Spec] = {
     "resume_iterable": Spec(RESUME, ours_only=("resumed_by_load_state",)),
     "resume_iterable_read_by_every_rank": Spec(RESUME, ours_only=("resumed_by_load_state",)),
     "deepspeed_config_support": Spec(("config_blocks", "torch_objects")),
+    "fsdp_plugin": Spec(("full_shard", "shard_grad_op")),
 }

@@ -19,7 +19,13 @@ import safetensors.torch  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import transformers  # noqa: E402
 
-from tests.accelerator_parity import scenarios_data, scenarios_deepspeed, scenarios_misc, scenarios_train  # noqa: E402, F401
+from tests.accelerator_parity import (  # noqa: E402, F401
+    scenarios_data,
+    scenarios_deepspeed,
+    scenarios_fsdp,
+    scenarios_misc,
+    scenarios_train,
+)
 
 transformers.LlamaForCausalLM  # noqa: B018  (transformers imports its modules on first use)
 if IMPL == "ours":

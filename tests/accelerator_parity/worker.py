@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_and_deterministic()
     import torch
 
-    from . import scenarios_data, scenarios_deepspeed, scenarios_misc, scenarios_train
+    from . import scenarios_data, scenarios_deepspeed, scenarios_fsdp, scenarios_misc, scenarios_train
     from .api import Api
     from .workload import Context, Recorder, error
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     outdir = Path(options.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(int(os.environ.get("RANK", "0")), outdir, Path(options.workdir))
-    modules = (scenarios_train, scenarios_data, scenarios_misc, scenarios_deepspeed)
+    modules = (scenarios_train, scenarios_data, scenarios_misc, scenarios_deepspeed, scenarios_fsdp)
     script = next(getattr(m, options.scenario) for m in modules if hasattr(m, options.scenario))
     try:
         api = Api(options.impl)

@@ -244,18 +244,28 @@ def test_unknown_option_module_and_missing_target(gpus, capsys):
     assert "--gpu_ids needs a value" in error_of(capsys, "--gpu_ids")
 
 
-def test_deepspeed_reaches_a_script_through_its_variable_and_fsdp_is_refused(gpus, tmp_path, capsys, script):
+def test_deepspeed_and_fsdp_reach_a_script_through_their_variables(gpus, tmp_path, capsys, script):
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
     settings, plan = plan_of("--deepspeed", str(ds), script)
-    assert plan.env["TRAINER_EXT_DEEPSPEED_CONFIG"] == str(ds)
+    assert plan.env["TRAINER_EXT_DEEPSPEED_CONFIG"] == str(ds) and "TRAINER_EXT_FSDP_CONFIG" not in plan.env
     assert any("TRAINER_EXT_DEEPSPEED_CONFIG is set" in note for note in plan.notes)
     # a file DeepSpeed cannot use stops the launch (exit 2) before any process starts
     ds.write_text('{"zero_optimization": {"stage": 7}}')
     assert "stage" in error_of(capsys, "--deepspeed", str(ds), script)
-    fsdp = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "full_shard.yaml"
-    err = error_of(capsys, "--fsdp_config", str(fsdp), script)
-    assert "passed on only to `trainer-ext launch ... train`" in err and "fsdp_config=FILE" in err
+    # FSDP: the settings as parsed (unset ones left out), and one process goes through torchrun for its group
+    fsdp = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "shard_grad_op.yaml"
+    settings, plan = plan_of("--fsdp_config", str(fsdp), script)
+    exported = json.loads(plan.env["TRAINER_EXT_FSDP_CONFIG"])
+    assert exported["reshard_after_forward"] is False and exported["auto_wrap_policy"] == "transformer"
+    assert "param_dtype" not in exported and "TRAINER_EXT_DEEPSPEED_CONFIG" not in plan.env
+    assert any("TRAINER_EXT_FSDP_CONFIG is set" in note for note in plan.notes)
+    assert plan.torchrun_args is not None and plan.fsdp is not None
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sharding_strategy: NO_SHARD\nreshard_after_forwad: true\n")
+    err = error_of(capsys, "--fsdp_config", str(bad), script)
+    assert "NO_SHARD" in err and "reshard_after_forwad" in err
+    assert "choose one" in error_of(capsys, "--fsdp_config", str(fsdp), "--deepspeed", str(ds), script)
 
 
 def test_a_port_in_use_is_refused(gpus, capsys, script):

@@ -175,3 +175,31 @@ def test_deepspeed_given_to_the_launcher_reaches_an_unchanged_script(tmp_path, h
         # 8 batches of 4 over 2 ranks: 4 steps; DeepSpeed's WarmupDecayLR from DummyScheduler(total 8 / 2, warm-up 2)
         assert info["lrs"] == pytest.approx([0.0, 0.05, 0.05, 0.025])
     assert infos[0]["losses"] == infos[1]["losses"]
+
+
+def test_fsdp_given_to_the_launcher_reaches_an_unchanged_script(tmp_path, home):
+    """`trainer-ext launch --fsdp_config FILE script.py` as `accelerate launch --use_fsdp`: the script's Accelerator()
+    and TrainingArguments name no FSDP settings and train with the launch's; the sharded run gives the DDP run's
+    losses and weights."""
+    env = environment(home)
+    job = Path(__file__).with_name("fsdp_launch_job.py")
+    preset = Path(__file__).resolve().parents[2] / "configs" / "fsdp" / "shard_grad_op.yaml"
+    runs = {}
+    for name, extra in (("fsdp", ["--fsdp_config", str(preset)]), ("ddp", [])):
+        out = tmp_path / name
+        out.mkdir()
+        finish(launch("--cpu", "--num_processes", "2", *extra, str(job), str(out), env=env))
+        runs[name] = ranks(out)
+    for info in runs["fsdp"]:
+        assert info["distributed_type"] == "FSDP" and info["world"] == 2
+        assert info["plugin"] == {"reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT"}
+        assert info["local_rows"] == 4  # the first Linear's 8 rows, sharded over 2 ranks
+        assert info["trainer_arguments_fsdp"]["reshard_after_forward"] is False
+    for info in runs["ddp"]:
+        assert info["distributed_type"] == "MULTI_CPU" and info["plugin"] is None and info["local_rows"] == 8
+        assert info["trainer_arguments_fsdp"] is None
+    sharded, replicated = runs["fsdp"][0], runs["ddp"][0]
+    assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5)
+    assert sharded["weights"].keys() == replicated["weights"].keys()
+    for key, values in sharded["weights"].items():
+        assert values == pytest.approx(replicated["weights"][key], rel=1e-5, abs=1e-6), key

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -61,6 +62,7 @@ def train_loop(
     save_to: Path | None = None,
     resume_from: Path | None = None,
     fsdp_config: dict | None = None,
+    fsdp_plugin: Any = None,
     deepspeed_config: str | None = None,
     order: tuple[str, ...] = MODEL_FIRST,
 ) -> tuple[Accelerator, dict[str, torch.Tensor], dict]:
@@ -72,6 +74,7 @@ def train_loop(
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         seed=0,
         fsdp_config=fsdp_config,
+        fsdp_plugin=fsdp_plugin,
         deepspeed_config=deepspeed_config,
     )
     model, optimizer, loader, scheduler = build(accelerator, per_device_batch, epochs=epochs, order=order)

@@ -10,12 +10,14 @@ returns (the launcher shows it as a dry-run note) and :func:`parse_fsdp` logs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ..config_files import JSON, load_mapping, parse_mapping
+from ..env_vars import FSDP_CONFIG as _ENV_FSDP
 from ..errors import ConfigError, did_you_mean
 from ..values import TRUE_WORDS, parse_bool
 
@@ -246,3 +248,15 @@ def read_fsdp_settings(fsdp: Any, fsdp_config: str | os.PathLike | dict | None) 
 def normalized_config(settings: FSDPSettings) -> dict[str, Any]:
     """``args.fsdp_config`` as transformers' Trainer reads it (its ``xla`` keys) plus our settings."""
     return {"xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False, **settings.to_dict()}
+
+
+def launched_fsdp_settings() -> dict[str, Any] | None:
+    """The FSDP settings ``trainer-ext launch --fsdp_config`` exported to this script (our key names), or None."""
+    text = os.environ.get(_ENV_FSDP)
+    if not text:
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{_ENV_FSDP} is not the JSON trainer-ext launch writes ({error}); unset it") from None
+    return values if isinstance(values, dict) else None

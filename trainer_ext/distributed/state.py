@@ -213,6 +213,7 @@ class DistState:
     """
 
     deepspeed_plugin: Any = None  # accelerate's AcceleratorState.deepspeed_plugin: set by a DeepSpeed Accelerator
+    fsdp_plugin: Any = None  # accelerate's AcceleratorState.fsdp_plugin: set by an FSDP Accelerator
 
     def __init__(
         self,

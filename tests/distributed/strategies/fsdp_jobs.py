@@ -4,7 +4,8 @@
 same data, per-rank parameter storage, an interrupted + resumed FSDP run, the consolidated export.
 ``… OUT from_one CKPT`` (2 ranks): resume under FSDP from a checkpoint written by one process without FSDP;
 ``loop`` (2 ranks): hand-written trainer_ext.Accelerator loops; ``order`` (2 ranks): ``prepare`` given the model after its optimizer;
-``two_models`` (2 ranks): two models prepared one after the other, each after its own optimizer. Rank 0 writes
+``two_models`` (2 ranks): two models prepared one after the other, each after its own optimizer; ``plugin`` (2
+ranks): accelerate's ``FullyShardedDataParallelPlugin`` against ``fsdp_config`` and the launcher's settings. Rank 0 writes
 the full weights (gathered) and ``results.json`` to OUT.
 """
 
@@ -159,6 +160,52 @@ def loop(out: Path) -> None:
         (out / "loop.json").write_text(json.dumps({"distributed_type": str(getattr(kind, "value", kind))}))
 
 
+def plugin(out: Path) -> None:
+    """accelerate's ``FullyShardedDataParallelPlugin``: the same training as the equivalent ``fsdp_config``, and as
+    the settings ``trainer-ext launch --fsdp_config`` exports to an ``Accelerator()`` that names none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.helpers.loops import train_loop
+    from trainer_ext import Accelerator, FullyShardedDataParallelPlugin
+    from trainer_ext.env_vars import FSDP_CONFIG
+
+    def wrapped(accelerator: Accelerator) -> list[str]:
+        model = accelerator.unwrap_model(accelerator.engine._models[0])
+        return [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+
+    layers = ["LlamaDecoderLayer"]
+    fields = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": layers}
+    by_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False, **fields)
+    accelerator, tensors, _ = train_loop(per_device_batch=1, grad_accum=2, fsdp_plugin=by_plugin)
+    result = {
+        "by_plugin": {"wrapped": wrapped(accelerator), "same_plugin": accelerator.state.fsdp_plugin is by_plugin}
+    }
+    config = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": layers}
+    by_config = train_loop(per_device_batch=1, grad_accum=2, fsdp_config={**config, "reshard_after_forward": False})
+    os.environ[FSDP_CONFIG] = json.dumps({"reshard_after_forward": False, "transformer_layer_cls_to_wrap": layers})
+    try:
+        accelerator, launched, _ = train_loop(per_device_batch=1, grad_accum=2)
+        shown = accelerator.state.fsdp_plugin
+        result["launched"] = {
+            "wrapped": wrapped(accelerator),
+            "reshard_after_forward": shown.reshard_after_forward,
+            "auto_wrap_policy": shown.auto_wrap_policy.__name__,
+        }
+        try:
+            Accelerator(cpu=True, deepspeed_config=str(CONFIGS / "deepspeed" / "zero2.json"))
+        except Exception as error:  # noqa: BLE001  (recorded and checked)
+            result["launched"]["with_deepspeed"] = f"{type(error).__name__}: {error}"
+    finally:
+        del os.environ[FSDP_CONFIG]
+    default = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
+    default.prepare(tiny_llama(0))
+    result["default_wraps"] = wrapped(default)
+    if dist.get_rank() == 0:
+        for name, values in (("by_plugin", tensors), ("by_config", by_config[1]), ("launched", launched)):
+            save_file({k: v.float().contiguous() for k, v in values.items()}, str(out / f"plugin_{name}.safetensors"))
+        (out / "plugin.json").write_text(json.dumps(result))
+
+
 REORDERED = ("optimizer", "loader", "model", "scheduler")
 
 
@@ -287,6 +334,8 @@ if __name__ == "__main__":
         hybrid(target)
     elif mode == "two_models":
         two_models(target)
+    elif mode == "plugin":
+        plugin(target)
     else:
         from_one(target, sys.argv[3])
     dist.barrier()

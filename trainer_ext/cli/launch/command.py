@@ -18,7 +18,6 @@ from .ports import port_problems
 from .run import execute
 from .settings import Settings, resolve
 from .target import target_problems
-from .train_args import strategy_problems
 
 
 def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan, bool]:
@@ -40,7 +39,6 @@ def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan,
     settings = resolve(given_options(namespace, options, parser), config)
     settings.config_file = f"{path} ({how})" if path is not None else how
     problems = (config.problems if config else []) + settings.problems + target_problems(target)
-    problems += strategy_problems(settings, target, strategy)
     if not problems:
         problems += port_problems(settings)
     plan = None

@@ -7,6 +7,7 @@ from the launch settings or the user's own train flags) with the same code as Tr
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +36,15 @@ class FSDPPreview:
     source: str
     settings: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    applied_by: str = "train"
+
+    def exported(self) -> str:
+        """The settings as ``TRAINER_EXT_FSDP_CONFIG`` carries them to a script (unset values left out)."""
+        return json.dumps({k: v for k, v in self.settings.items() if v is not None}, sort_keys=True)
 
     def lines(self) -> list[str]:
         """The dry-run block: one ``name: value`` line per setting."""
-        rows = [f"FSDP2 settings from {self.source}, as train will apply them (fully_shard):"]
+        rows = [f"FSDP2 settings from {self.source}, as {self.applied_by} will apply them (fully_shard):"]
         for name, value in self.settings.items():
             shown = _UNSET.get(name, "-") if value is None else value
             rows.append(f"  {name}: {str(shown).lower() if isinstance(shown, bool) else shown}")
@@ -94,12 +100,23 @@ def preview_fsdp(s: Settings, user_args: Sequence[str], train_args: Sequence[str
     return check_fsdp(values["fsdp"], values.get("fsdp_config"), s.world_size, source)
 
 
+def script_fsdp(s: Settings) -> FSDPPreview | None:
+    """The launch's FSDP settings for a script or module (``TRAINER_EXT_FSDP_CONFIG``), checked before any process
+    starts; None without ``fsdp_config``."""
+    if not s["fsdp_config"]:
+        return None
+    preview = check_fsdp(s["fsdp"] or True, s["fsdp_config"], s.world_size, s.sources["fsdp_config"])
+    preview.applied_by = "the script's TrainingArguments or Accelerator"
+    return preview
+
+
 def runs_fsdp(target: Target, preview: FSDPPreview | None) -> bool:
-    """Whether the launched job trains under FSDP: ``train`` with FSDP settings, or a script or module given an
-    ``--fsdp`` value among its own arguments (transformers' flag, as HfArgumentParser scripts take it)."""
+    """Whether the launched job trains under FSDP: ``train`` with FSDP settings, a script or module given the
+    launch's (``preview``), or one given an ``--fsdp`` value among its own arguments (transformers' flag, as
+    HfArgumentParser scripts take it)."""
     from ...distributed.fsdp_config import fsdp_requested
 
-    if target.kind == "train":
+    if target.kind == "train" or preview is not None:
         return preview is not None
     args = list(target.args)
     for i, word in enumerate(args):

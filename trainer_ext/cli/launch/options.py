@@ -51,8 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpu_ids", metavar="IDS", help="GPUs to use on this machine: all, or e.g. 0,1")
     add("--mixed_precision", type=_one_of(MIXED_PRECISION), help="no, bf16, fp16 or fp8")
     add("--gradient_accumulation_steps", type=int, metavar="N", help="micro-batches per optimizer step")
-    add("--deepspeed", metavar="CONFIG", help="DeepSpeed JSON, passed to train as --deepspeed")
-    add("--fsdp_config", metavar="CONFIG", help="FSDP config, passed to train as --fsdp full_shard --fsdp_config")
+    add(
+        "--deepspeed",
+        metavar="CONFIG",
+        help="DeepSpeed JSON, passed to train as --deepspeed, to a script as TRAINER_EXT_DEEPSPEED_CONFIG",
+    )
+    add(
+        "--fsdp_config",
+        metavar="CONFIG",
+        help="FSDP config, passed to train as --fsdp full_shard --fsdp_config, to a script as TRAINER_EXT_FSDP_CONFIG",
+    )
     add("--debug", action="store_const", const=True, help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
     add("--config_file", metavar="FILE", help="launch config (default: $TRAINER_EXT_CONFIG_FILE or ~/.cache/...)")
     add("--dry_run", action="store_true", default=False, help="print the settings and the command, start nothing")

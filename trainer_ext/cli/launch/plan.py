@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from ... import env_vars
-from .fsdp import FSDPPreview, preview_fsdp, runs_fsdp
+from .fsdp import FSDPPreview, preview_fsdp, runs_fsdp, script_fsdp
 from .settings import Settings, loopback_rendezvous
 from .target import Target
 from .train_args import DeepSpeedPreview, preview_deepspeed, translate_for_script, translate_for_train
@@ -67,6 +67,9 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
             notes += fsdp.notes if fsdp else []
     else:
         env = translate_for_script(s, target, notes, strategy)
+        fsdp = script_fsdp(s) if strategy else None
+        if fsdp is not None:
+            env[env_vars.FSDP_CONFIG] = fsdp.exported()
     if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
         env[env_vars.CUDA_VISIBLE_DEVICES] = s["gpu_ids"]
     if s["debug"]:

@@ -125,6 +125,11 @@ def translate_for_script(s: Settings, target: Target, notes: list[str], strategy
             f"deepspeed from {s.sources['deepspeed']}: {env_vars.DEEPSPEED_CONFIG} is set; a TrainingArguments or "
             "Accelerator in the script that names no DeepSpeed config (or FSDP) of its own trains with it"
         )
+    elif s["fsdp_config"]:
+        notes.append(
+            f"fsdp_config from {s.sources['fsdp_config']}: {env_vars.FSDP_CONFIG} is set; a TrainingArguments or "
+            "Accelerator in the script that names no FSDP settings (or DeepSpeed) of its own trains with them"
+        )
     return env
 
 
@@ -139,18 +144,6 @@ def _strategy_ignored(s: Settings, notes: list[str]) -> None:
     for name in ("deepspeed", "fsdp_config"):
         if s[name]:
             notes.append(f"{name} from {s.sources[name]} is ignored: the self-test checks plain data parallelism")
-
-
-def strategy_problems(s: Settings, target: Target | None, strategy: bool = True) -> list[str]:
-    """FSDP settings are turned into flags for ``train`` only: a script must take them itself (a DeepSpeed config
-    reaches a script through ``TRAINER_EXT_DEEPSPEED_CONFIG``)."""
-    if not strategy or target is None or target.kind == "train" or not s["fsdp_config"]:
-        return []
-    return [
-        f"fsdp_config ({s.sources['fsdp_config']}) is passed on only to `trainer-ext launch ... train`; for "
-        f"{target.name}, give the file to your own TrainingArguments (--fsdp full_shard --fsdp_config FILE among its "
-        "arguments) or Accelerator (fsdp_config=FILE) and launch without it"
-    ]
 
 
 # the TrainingArguments that "auto" values in a DeepSpeed config are taken from (phase 1)
