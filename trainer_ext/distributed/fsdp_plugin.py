@@ -212,9 +212,15 @@ class FullyShardedDataParallelPlugin:
 
     def set_state_dict_type(self, state_dict_type: Any = None) -> None:
         """accelerate's method: the state dict type ``get_state_dict``/``save_model`` use (SHARDED by default for
-        FSDP2). trainer_ext's checkpoints are always sharded (DCP) and ``get_state_dict`` always gathers the whole
-        model, so the type is kept for code that reads it back."""
-        from torch.distributed.fsdp import StateDictType
+        FSDP2), and the configs accelerate fills in for it. trainer_ext's checkpoints are always sharded (DCP) and
+        ``get_state_dict`` always gathers the whole model, so the type is kept for code that reads it back."""
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
 
         value = state_dict_type if state_dict_type is not None else "SHARDED_STATE_DICT"
         if isinstance(value, str):
@@ -225,24 +231,18 @@ class FullyShardedDataParallelPlugin:
                 "or `FULL_STATE_DICT`."
             )
         self.state_dict_type = value
-        from torch.distributed.fsdp import (
-            FullOptimStateDictConfig,
-            FullStateDictConfig,
-            ShardedOptimStateDictConfig,
-            ShardedStateDictConfig,
-        )
-
-        if value == StateDictType.FULL_STATE_DICT:  # the configs accelerate fills in, for code that reads them
-            self.state_dict_config = self.state_dict_config or FullStateDictConfig(
-                offload_to_cpu=True, rank0_only=True
+        full = value == StateDictType.FULL_STATE_DICT
+        if self.state_dict_config is None:
+            self.state_dict_config = (
+                FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+                if full
+                else ShardedStateDictConfig(offload_to_cpu=True)
             )
-            self.optim_state_dict_config = self.optim_state_dict_config or FullOptimStateDictConfig(
-                offload_to_cpu=True, rank0_only=True
-            )
-        else:
-            self.state_dict_config = self.state_dict_config or ShardedStateDictConfig(offload_to_cpu=True)
-            self.optim_state_dict_config = self.optim_state_dict_config or ShardedOptimStateDictConfig(
-                offload_to_cpu=True
+        if self.optim_state_dict_config is None:
+            self.optim_state_dict_config = (
+                FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+                if full
+                else ShardedOptimStateDictConfig(offload_to_cpu=True)
             )
 
     @property

@@ -15,7 +15,14 @@ import torch
 
 from tests.distributed.strategies import ds_loop_objects_job as job
 from tests.helpers.ranks import run_ranks
-from trainer_ext import Accelerator, ConfigError, DeepSpeedPlugin, DummyOptim, DummyScheduler
+from trainer_ext import (
+    Accelerator,
+    ConfigError,
+    DeepSpeedPlugin,
+    DummyOptim,
+    DummyScheduler,
+    FullyShardedDataParallelPlugin,
+)
 from trainer_ext.distributed.deepspeed_config import DeepSpeedConfig
 
 
@@ -121,7 +128,9 @@ def test_a_launched_deepspeed_config_and_fsdp_in_the_script_are_refused(monkeypa
     from trainer_ext import TrainingArguments
 
     monkeypatch.setenv("TRAINER_EXT_DEEPSPEED_CONFIG", '{"zero_optimization": {"stage": 2}}')
-    with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop fsdp_config"):
+    with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop the FSDP settings"):
         Accelerator(cpu=True, fsdp_config={"reshard_after_forward": True})
+    with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop the FSDP settings"):
+        Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin())
     with pytest.raises(ConfigError, match="trainer-ext launch was given a DeepSpeed config .* drop --fsdp"):
         TrainingArguments(output_dir="unused", fsdp="full_shard", report_to=[])
