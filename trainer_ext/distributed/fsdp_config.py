@@ -258,5 +258,7 @@ def launched_fsdp_settings() -> dict[str, Any] | None:
     try:
         values = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{_ENV_FSDP} is not the JSON trainer-ext launch writes ({error}); unset it") from None
-    return values if isinstance(values, dict) else None
+        values = error
+    if not isinstance(values, dict):  # a JSON object of FSDP keys, nothing else
+        raise ConfigError(f"{_ENV_FSDP} is not the JSON object trainer-ext launch writes ({values}); unset it")
+    return values

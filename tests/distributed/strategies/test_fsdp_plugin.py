@@ -110,9 +110,10 @@ def test_the_launchers_settings_fill_the_fields_left_unset(monkeypatch) -> None:
     assert launched.auto_wrap_policy is transformer_auto_wrap_policy
     # a field the script sets wins over the launch
     assert FullyShardedDataParallelPlugin(reshard_after_forward=True).settings.reshard_after_forward is True
-    monkeypatch.setenv(FSDP_CONFIG, "{not json")
-    with pytest.raises(ConfigError, match="is not the JSON trainer-ext launch writes"):
-        FullyShardedDataParallelPlugin()
+    for bad in ("{not json", "[1, 2]"):
+        monkeypatch.setenv(FSDP_CONFIG, bad)
+        with pytest.raises(ConfigError, match="is not the JSON object trainer-ext launch writes"):
+            FullyShardedDataParallelPlugin()
 
 
 def test_accelerator_arguments_choose_one_source(monkeypatch) -> None:

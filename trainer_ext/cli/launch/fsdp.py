@@ -116,8 +116,10 @@ def runs_fsdp(target: Target, preview: FSDPPreview | None) -> bool:
     HfArgumentParser scripts take it)."""
     from ...distributed.fsdp_config import fsdp_requested
 
-    if target.kind == "train" or preview is not None:
-        return preview is not None
+    if preview is not None:
+        return True
+    if target.kind == "train":
+        return False
     args = list(target.args)
     for i, word in enumerate(args):
         name, eq, value = word.partition("=")
