@@ -76,6 +76,9 @@ def test_collectives_and_process_members_on_two_ranks(two_ranks: Path) -> None:
     members = json.loads((two_ranks / "results.json").read_text())["members"]
     assert members["reduce_sum"] == [3.0] and members["reduce_mean"] == [1.5]
     assert members["gather"] == [0, 1]
+    # gathering into one tensor (NCCL's form) gives what the list form gives: rank 0's rows, then rank 1's
+    expected = [[0, 1], [0, 1, 2, 10, 11, 12], [[0.5] * 3, [0.5] * 3, [1.5] * 3, [1.5] * 3]]
+    assert members["gather_forms"] == [[e, e] for e in expected]
     assert members["padded"] == [1.0, -1.0]  # rank 0's tensor padded to rank 1's length
     assert members["distributed_type"] == "MULTI_CPU" and members["num_processes"] == 2
     assert members["order"] == ["0", "1"], "main_process_first: the main process runs the block first"

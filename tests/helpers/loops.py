@@ -18,6 +18,7 @@ from transformers import default_data_collator, get_linear_schedule_with_warmup
 
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator, DataLoaderConfiguration
+from trainer_ext.distributed import collectives
 
 
 def weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -196,6 +197,11 @@ def main(out: str) -> None:
         "reduce_sum": accelerator.reduce(torch.tensor([rank + 1.0])).tolist(),
         "reduce_mean": accelerator.reduce(torch.tensor([rank + 1.0]), "mean").tolist(),
         "gather": accelerator.gather(torch.tensor([rank])).tolist(),
+        # the form NCCL takes (one output tensor) against gloo's (a list, concatenated), on the same real group
+        "gather_forms": [
+            [collectives._gather_tensor(t, into_one=form).tolist() for form in (False, True)]
+            for t in (torch.tensor(rank), torch.arange(3) + 10 * rank, torch.full((2, 3), rank + 0.5))
+        ],
         "padded": accelerator.pad_across_processes(torch.ones(rank + 1), dim=0, pad_index=-1).tolist(),
         "distributed_type": str(accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,

@@ -38,11 +38,20 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
     return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
-def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def _gather_tensor(tensor: torch.Tensor, into_one: bool | None = None) -> torch.Tensor:
+    """All-gather along dim 0. ``into_one`` (default: any backend but gloo) gathers straight into one output tensor,
+    as accelerate does on NCCL: no per-rank buffers, no concatenation. On gloo the list form measured faster."""
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    world = dist.get_world_size()
+    if into_one is None:
+        into_one = dist.get_backend() != "gloo"
+    if into_one:
+        out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_into_tensor(out, tensor)
+        return out
+    parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor)
     return torch.cat(parts, dim=0)
 
