@@ -203,6 +203,31 @@ def test_trainer_ext_launch_starts_the_unchanged_trl_script_on_two_processes(tmp
     assert _max_diff(weights, torchrun["weights"]) == 0.0
 
 
+# what each launched strategy puts in a checkpoint: proof that it, and not DDP, trained
+SHARDED_LAUNCHES = {
+    "zero3": (["--deepspeed", str(ROOT / "configs" / "deepspeed" / "zero3.json")], "checkpoint-3/global_step3/"),
+    "fsdp2": (["--fsdp_config", str(ROOT / "configs" / "fsdp" / "full_shard.yaml")], "checkpoint-3/model_sharded/"),
+}
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("zero3", marks=pytest.mark.deepspeed), "fsdp2"])
+def test_dpo_launched_sharded_trains_as_under_ddp(strategy: str, tmp_path: Path) -> None:
+    """TRL's DPO (its reference model included) under ``trainer-ext launch --deepspeed zero3.json`` or
+    ``--fsdp_config full_shard.yaml`` on 2 processes. On our Trainer ``is_deepspeed_enabled``/``is_fsdp_enabled``
+    stay False, so TRL takes its plain reference-model path. The losses and final weights equal the DDP run's."""
+    flags, checkpoint_part = SHARDED_LAUNCHES[strategy]
+    launch = ["-m", "trainer_ext", "launch", "--cpu", "--num_processes", "2", *flags]
+    argv = ["--trainer", "dpo", "--impl", "ours", "--per_device_train_batch_size", "2"]
+    launched = _job(tmp_path / strategy, *argv, launcher=launch)
+    ddp = _run("dpo", "ours", "ours_2proc", nproc=2)
+    assert launched["world_size"] == 2 and launched["trained_steps"] == [1, 2, 3, 4, 5, 6]
+    assert any(name.startswith(checkpoint_part) for name in launched["files"]), launched["files"]
+    losses = _losses(launched)
+    assert losses == pytest.approx(_losses(ddp), rel=1e-5) and losses["6"] < losses["1"]
+    weights = load_file(tmp_path / strategy / "final" / "model.safetensors")
+    assert _max_diff(weights, ddp["weights"]) < 1e-5
+
+
 def test_sft_with_a_peft_config_trains_and_saves_the_adapter_only(tmp_path: Path) -> None:
     """TRL's PEFT quick start, ``SFTTrainer(..., peft_config=LoraConfig(...))`` adapted, on 1 process: the LoRA
     weights alone train, the losses move, and the saves hold the adapter only."""
