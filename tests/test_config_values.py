@@ -47,6 +47,26 @@ def test_unreadable_files_are_one_config_error(tmp_path: Path, name: str, text: 
         load_mapping(tmp_path / name, "--config")
 
 
+def test_a_yaml_error_keeps_the_line_and_the_caret_under_it(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text("learning_rate: 1.0e-3\nnum_train_epochs: 3\n  seed: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_mapping(tmp_path / "run.yaml", "--config")
+    first, line, caret = str(caught.value).split("\n")
+    assert first.endswith("run.yaml is not valid YAML: line 3, column 7: mapping values are not allowed here")
+    assert (line, caret) == ("      seed: 1", "          ^")  # indented four, the caret under the colon
+
+
+def test_a_yaml_error_at_the_end_points_at_where_the_construct_started() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_mapping('a: 1\nb: "unclosed\n', "--config x.yaml")
+    assert str(caught.value).split("\n") == [
+        "--config x.yaml is not valid YAML: line 3, column 1: found unexpected end of stream "
+        "(while scanning a quoted scalar at line 2, column 4)",
+        '    b: "unclosed',
+        "       ^",
+    ]
+
+
 def test_missing_directory_and_wrong_type(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^DeepSpeed config .*nope\.json does not exist \(no such file\); see x$"):
         load_mapping(tmp_path / "nope.json", "DeepSpeed config", hint="; see x")

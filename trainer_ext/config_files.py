@@ -110,8 +110,37 @@ def _parse(text: str, what: str, fmt: str, unique_keys: bool) -> Any:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
-            raise ConfigError(f"{what} is not valid YAML: {' '.join(str(error).split())}") from None
+            raise ConfigError(f"{what} is not valid YAML: {_yaml_problem(error, text)}") from None
     return data
+
+
+SNIPPET_WIDTH = 100  # characters of the offending line shown around the caret
+
+
+def _yaml_problem(error: yaml.YAMLError, text: str) -> str:
+    """yaml's complaint as one line (where, what, in which construct), then the offending line with a caret
+    under the column, indented; without a position, yaml's own words on one line."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem is None or mark is None:
+        return " ".join(str(error).split())
+    message = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context:
+        started = f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark else ""
+        message += f" ({context}{started})"
+    snippet = _snippet(text, mark) or (_snippet(text, context_mark) if context_mark else "")
+    return message + snippet
+
+
+def _snippet(text: str, mark: yaml.Mark) -> str:
+    """The line at ``mark`` and a caret under its column (tabs shown as spaces so the caret lines up), or ''."""
+    lines = text.splitlines()
+    if mark.line >= len(lines) or not lines[mark.line].strip():
+        return ""
+    line = lines[mark.line].replace("\t", " ")
+    start = max(0, min(mark.column - SNIPPET_WIDTH // 2, len(line) - SNIPPET_WIDTH))
+    shown = line[start : start + SNIPPET_WIDTH]
+    return f"\n    {shown}\n    {' ' * (mark.column - start)}^"
 
 
 class _DuplicateKey(ValueError):
