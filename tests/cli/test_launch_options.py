@@ -376,3 +376,22 @@ def test_c10d_checks_the_port_on_the_machine_that_hosts_the_store(gpus, capsys, 
         settings, _ = plan_of(*c10d, "--main_process_ip", "127.0.0.1", script)
         assert any(f"port {port} on 127.0.0.1 is already in use" in note for note in settings.notes)
         plan_of(*c10d, "--main_process_ip", "203.0.113.7", script)  # another machine hosts it: nothing to check
+
+
+@pytest.mark.parametrize("word", ["trian", "tain", "Train", "trainn"])
+def test_a_misspelt_train_is_named(gpus, capsys, tmp_path, monkeypatch, word):
+    monkeypatch.chdir(tmp_path)
+    err = error_of(capsys, "--num_processes", "2", "--cpu", word, "--max_steps", "5")
+    assert (
+        f"{word!r} is neither a script (no such file in {tmp_path}) nor a command (train). Did you mean 'train'?"
+        in err
+    )
+
+
+def test_a_script_named_like_train_still_runs(gpus, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trian").write_text("print('mine')\n")
+    _, plan, dry_run = prepare(["--cpu", "--dry_run", "trian"])
+    assert dry_run and plan.command[-1] == "trian" and "train" not in plan.command
+    assert "script 'trainer.py' not found" in error_of(capsys, "--cpu", "trainer.py")  # a path: no command hint
+    assert "Did you mean" not in error_of(capsys, "--cpu", "trainer.py")

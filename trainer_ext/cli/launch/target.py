@@ -7,8 +7,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ...errors import did_you_mean
+
 USAGE = "trainer-ext launch [options] (SCRIPT.py | -m MODULE | train) [args...]"
 SWAP_MODULE = "trainer_ext.cli.launch.swap"  # runs a script with transformers' Trainer classes swapped for ours
+COMMANDS = ("train",)  # the words launch runs itself; any other word is a script path
 
 
 @dataclass
@@ -36,7 +39,7 @@ def target_problems(target: Target | None) -> list[str]:
     if target is None:
         return [f"nothing to launch: give SCRIPT.py, -m MODULE or train ({USAGE})"]
     if target.kind == "script" and not os.path.isfile(target.name):
-        return [f"script {target.name!r} not found (working directory {os.getcwd()})"]
+        return [_missing_script(target.name)]
     if target.kind == "script" and target.swap and not target.name.endswith(".py"):
         return [f"script {target.name!r} is not a .py file: --swap_trainer runs a Python script (or -m MODULE)"]
     if target.kind == "module":
@@ -50,3 +53,14 @@ def target_problems(target: Target | None) -> list[str]:
         if not found:
             return [f"module {target.name!r} not found: `python -m {target.name}` would fail (is it installed?)"]
     return []
+
+
+def _missing_script(name: str) -> str:
+    """A script that is not there; a bare word close to a command (``trian``) is named as the misspelt command."""
+    hint = did_you_mean(name, COMMANDS) if os.sep not in name and "." not in name else ""
+    if hint:
+        return (
+            f"{name!r} is neither a script (no such file in {os.getcwd()}) nor a command ({', '.join(COMMANDS)})."
+            f"{hint}"
+        )
+    return f"script {name!r} not found (working directory {os.getcwd()})"
