@@ -8,7 +8,10 @@ import inspect
 import io
 import pickle
 import random
+import subprocess
+import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -24,18 +27,56 @@ from trainer_ext.distributed.data import ShardedDataLoader, shard_dataloader
 pytestmark = pytest.mark.compat
 
 
+@pytest.fixture
+def fresh_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget whether this process already warned about a newer transformers."""
+    monkeypatch.setattr(_compat, "_warned_newer", False)
+
+
 @pytest.mark.parametrize("version", ["5.17.0", "5.20.1", "5.23.0", "5.23.1.dev0"])
-def test_supported_versions_pass(version: str) -> None:
-    _compat.check_transformers_version(version)
-
-
-@pytest.mark.parametrize("version", ["4.57.1", "5.16.1", "5.24.0", "6.0.0"])
-def test_unsupported_versions_fail_loudly(version: str) -> None:
-    with pytest.raises(ImportError, match=r"supports transformers >=5\.17\.0,<5\.24\.0"):
+def test_tested_versions_pass_silently(version: str, fresh_warning: None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _compat.check_transformers_version(version)
 
 
-def test_installed_transformers_is_supported() -> None:
+@pytest.mark.parametrize("version", ["4.57.1", "5.5.4", "5.16.1", "5.0.0rc1"])
+def test_versions_known_to_break_are_refused(version: str) -> None:
+    with pytest.raises(ImportError, match=r"known broken: <5\.17; tested: >=5\.17\.0,<5\.24\.0\)") as error:
+        _compat.check_transformers_version(version)
+    assert "pip install 'transformers>=5.17.0,<5.24.0'" in str(error.value)
+
+
+@pytest.mark.parametrize("version", ["5.24.0", "5.24.0.dev0", "5.30.1", "6.0.0"])
+def test_newer_versions_warn_once_and_proceed(version: str, fresh_warning: None) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _compat.check_transformers_version(version)
+        _compat.check_transformers_version("5.23.0")
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    message = str(caught[0].message)
+    assert message.startswith(f"trainer_ext is tested with transformers >=5.17.0,<5.24.0; {version} is newer")
+    assert "report" in message and "pip install 'transformers>=5.17.0,<5.24.0'" in message
+
+
+def test_a_newer_transformers_warns_at_the_trainer_import_not_at_import_trainer_ext() -> None:
+    """A fresh interpreter that believes transformers is 9.0.0: ``import trainer_ext`` is silent, the Trainer warns."""
+    code = (
+        "import warnings, transformers; transformers.__version__ = '9.0.0'; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import trainer_ext, trainer_ext.cli.main\n"
+        "assert not caught, [str(w.message) for w in caught]\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from trainer_ext import Trainer, TrainingArguments\n"
+        "print(sum('is newer' in str(w.message) for w in caught))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+
+
+def test_installed_transformers_is_not_refused() -> None:
     _compat.check_transformers_version(transformers.__version__)
 
 

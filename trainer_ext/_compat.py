@@ -1,4 +1,4 @@
-"""The one place that knows transformers' private internals (supported: transformers >=5.17,<5.24).
+"""The one place that knows transformers' private internals (tested: transformers >=5.17,<5.24; newer ones warn).
 
 transformers' ``trainer.py`` and ``training_args.py`` bind a few accelerate names at module level only
 when accelerate is installed, yet reach them on every run (``DistributedType`` in ``_run_epoch``,
@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import warnings
 from typing import Any
 
 import torch
 import transformers
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 # the RNG allow-list lives below, in checkpointing/, which verifies RNG files without importing this module
@@ -24,17 +26,33 @@ from .distributed.data import skip_first_batches as _our_skip_first_batches
 from .distributed.state import DistributedType
 from .distributed.tracking import TrackedIteration
 
-SUPPORTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))
+TESTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))  # [oldest, first untested): CI's compat subset
+# Versions known to break, refused at import: before 5.17 the internals we override are missing. Add a release here
+# (e.g. "==5.30.0") when one is found broken, until a fix ships.
+BROKEN_TRANSFORMERS = SpecifierSet("<5.17")
+_warned_newer = False
 
 
 def check_transformers_version(version: str | None = None) -> None:
-    """Fail loudly on a transformers version whose internals we have not checked."""
+    """Refuse a transformers version known to break; warn once per process on one newer than tested."""
+    global _warned_newer
     found = Version(version or transformers.__version__)
-    low, high = SUPPORTED_TRANSFORMERS
-    if not (low <= Version(found.base_version) < high):
+    low, high = TESTED_TRANSFORMERS
+    tested = f">={low},<{high}"
+    base = Version(found.base_version)  # 5.24.0.dev0 counts as 5.24.0
+    if BROKEN_TRANSFORMERS.contains(base, prereleases=True):
         raise ImportError(
-            f"trainer_ext supports transformers >={low},<{high}, but {found} is installed. "
-            f"Install a supported version: pip install 'transformers>={low},<{high}'"
+            f"trainer_ext does not work with transformers {found} (known broken: {BROKEN_TRANSFORMERS}; tested: "
+            f"{tested}). Install a tested version: pip install 'transformers{tested}'"
+        )
+    if base >= high and not _warned_newer:
+        _warned_newer = True
+        warnings.warn(
+            f"trainer_ext is tested with transformers {tested}; {found} is newer: the Trainer integration relies on "
+            f"transformers internals that may have changed. If something breaks, please report it "
+            f"(with `trainer-ext env`) and install a tested version: pip install 'transformers{tested}'",
+            UserWarning,
+            stacklevel=2,
         )
 
 
