@@ -2,10 +2,12 @@
 
     trainer-ext config [--config_file PATH]             questions on stdin; Enter takes the default
     trainer-ext config --default [--config_file PATH]   a file for this machine, no questions
-    trainer-ext config validate FILE                    every problem in FILE; exit code 2 if any
+    trainer-ext config validate FILE [--kind KIND]      the problems in FILE; exit code 2 if any
 
 The file uses accelerate's key names (see :mod:`.launch.config_file`); it goes to ``--config_file``, else
-``$TRAINER_EXT_CONFIG_FILE``, else ``~/.cache/trainer_ext/default_config.yaml``.
+``$TRAINER_EXT_CONFIG_FILE``, else ``~/.cache/trainer_ext/default_config.yaml``. ``validate`` also checks the
+other kinds of config file (FSDP, DeepSpeed, train), each with the reader that will read it, the kind told by
+the file's keys or ``--kind``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..config_files import JSON, file_format, load_mapping
+from ..errors import ConfigError, did_you_mean
 from ..values import parse_bool
 from .launch import settings as launch_settings
 from .launch.config_file import (
     IGNORED_KEYS,
+    KNOWN_KEYS,
     MIXED_PRECISION,
     default_config_path,
     gpu_ids,
@@ -156,13 +160,13 @@ def _check_target(path: Path, overwrite: bool) -> None:
         raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or --config_file elsewhere")
 
 
-def explain(path: Path) -> tuple[list[str], str]:
-    """Every problem with the config file at ``path``, and a report of what it resolves to."""
+def explain(path: Path, how: str = "") -> tuple[list[str], str]:
+    """Every problem with the launch config file at ``path``, and a report of what it resolves to."""
     config = read_config_file(path)
     settings = launch_settings.resolve({}, config)
     problems = config.problems + settings.problems + fsdp_problems(settings)
-    lines = [f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
-    lines += [f"  - {p.removeprefix(f'{path}: ')}" for p in problems]
+    lines = [_status_line(path, problems, "launch", how)]
+    lines += [_item(p.removeprefix(f"{path}: ")) for p in problems]
     if config.ignored:
         lines.append("ignored accelerate keys (no effect in trainer_ext):")
         lines += [f"  - {k}: {IGNORED_KEYS.get(k, 'set by the DeepSpeed JSON file instead')}" for k in config.ignored]
@@ -173,12 +177,169 @@ def explain(path: Path) -> tuple[list[str], str]:
     return problems, "\n".join(lines)
 
 
+# The kinds of config file trainer_ext reads, with the option that takes each.
+KINDS = {
+    "launch": "a launch config (trainer-ext launch --config_file)",
+    "fsdp": "an FSDP config (--fsdp_config of launch or train)",
+    "deepspeed": "a DeepSpeed config (--deepspeed of launch or train)",
+    "train": "a train config (trainer-ext train --config)",
+}
+# The keys that tell each kind apart (a key may belong to several; the kind with most of the file's keys wins).
+FSDP_KEYS = (
+    "version",
+    "sharding_strategy",
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "min_num_params",
+    "reshard_after_forward",
+    "cpu_offload",
+    "offload_params",
+    "activation_checkpointing",
+    "hybrid_shard",
+    "replicate_size",
+    "param_dtype",
+    "reduce_dtype",
+    "state_dict_type",
+)
+DEEPSPEED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "optimizer",
+    "scheduler",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "checkpoint",
+    "data_types",
+    "torch_autocast",
+)
+
+
+def _key_sets() -> dict[str, set[str]]:
+    from ..arguments import field_names
+
+    return {
+        "launch": set(KNOWN_KEYS),
+        "fsdp": set(FSDP_KEYS),
+        "deepspeed": set(DEEPSPEED_KEYS),
+        "train": set(field_names()),
+    }
+
+
+def detect_kind(path: Path) -> str:
+    """The kind of config ``path`` holds, told by its keys; ConfigError naming the kinds when none fits."""
+    data = load_mapping(path, "config file")
+    names = [str(k).replace("-", "_") for k in data]
+    scores = {kind: sum(_belongs(name, kind, keys) for name in names) for kind, keys in _key_sets().items()}
+    # on a tie, what a file of that format usually is
+    order = ("deepspeed", "train", "fsdp", "launch") if file_format(path) == JSON else tuple(KINDS)
+    best = max(order, key=lambda kind: scores[kind])
+    if not scores[best]:
+        what = (
+            f"none of its keys ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})" if names else "it is empty"
+        )
+        raise ConfigError(
+            f"cannot tell which kind of config {path} is: {what}; the kinds are {', '.join(KINDS)} (pass --kind KIND)"
+        )
+    return best
+
+
+def _belongs(name: str, kind: str, keys: set[str]) -> bool:
+    if kind == "fsdp":  # accelerate's spelling prefixes every FSDP key
+        return name != "fsdp_config" and (name.startswith("fsdp_") or name in keys)
+    return name in keys
+
+
+def _status_line(path: Path, problems: Sequence[str], kind: str, how: str) -> str:
+    status = "OK" if not problems else f"{len(problems)} problem(s)"
+    return f"{path}: {status} as {KINDS[kind]}{how}"
+
+
+def _item(problem: str) -> str:
+    """A problem as a list item; lines under it (a YAML error's caret context) stay under it."""
+    return "  - " + problem.replace("\n", "\n    ")
+
+
+def _explain_fsdp(path: Path, how: str) -> tuple[list[str], str]:
+    from ..distributed.fsdp_config import read_fsdp_settings
+
+    try:
+        settings, warnings = read_fsdp_settings(True, str(path))
+    except ConfigError as error:
+        return [str(error)], "\n".join([_status_line(path, [error], "fsdp", how), _item(str(error))])
+    lines = [_status_line(path, [], "fsdp", how)]
+    lines += ["notes:"] + [f"  - {w}" for w in warnings] if warnings else []
+    lines.append("FSDP2 settings as train applies them (fully_shard):")
+    lines += [f"  {k:<30} {v}" for k, v in settings.to_dict().items()]
+    return [], "\n".join(lines)
+
+
+def _explain_deepspeed(path: Path, how: str) -> tuple[list[str], str]:
+    from ..distributed.deepspeed_config import auto_keys, load_deepspeed_config, zero_stage
+
+    try:
+        config = load_deepspeed_config(str(path))
+    except ConfigError as error:
+        return [str(error)], "\n".join([_status_line(path, [error], "deepspeed", how), _item(str(error))])
+    lines = [_status_line(path, [], "deepspeed", how), f"ZeRO stage {zero_stage(config)}"]
+    autos = list(auto_keys(config))
+    if autos:
+        lines.append(f'"auto", filled from the train flags when the job starts: {", ".join(autos)}')
+    return [], "\n".join(lines)
+
+
+def _explain_train(path: Path, how: str) -> tuple[list[str], str]:
+    from ..estimate.job import parse_job_flags
+    from ..flags import load_config_file
+
+    try:
+        keys = load_config_file(str(path))
+        values, _ = parse_job_flags(["--config", str(path)], 1)
+    except ConfigError as error:
+        return [str(error)], "\n".join([_status_line(path, [error], "train", how), _item(str(error))])
+    lines = [_status_line(path, [], "train", how), "values as train reads them (flags on the command line win):"]
+    lines += [f"  {k:<30} {values.get(k, v)!r}" for k, v in keys.items()]
+    return [], "\n".join(lines)
+
+
+EXPLAINERS = {"launch": explain, "fsdp": _explain_fsdp, "deepspeed": _explain_deepspeed, "train": _explain_train}
+
+
+def _kind(text: str) -> str:
+    if text not in KINDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown kind {text!r}; the kinds are {', '.join(KINDS)}.{did_you_mean(text, KINDS)}"
+        )
+    return text
+
+
 def run_validate(argv: Sequence[str]) -> int:
     """``trainer-ext config validate FILE``: print the report; exit code 2 when there is any problem."""
-    parser = _Parser(prog="trainer-ext config validate", description="Check a launch config file.")
+    parser = _Parser(
+        prog="trainer-ext config validate",
+        description="Check a config file: a launch config, an FSDP or DeepSpeed config, or a train config.",
+    )
     parser.add_argument("file", metavar="FILE")
+    parser.add_argument(
+        "--kind", type=_kind, help=f"which kind FILE is ({', '.join(KINDS)}); default: told by its keys"
+    )
     args = parser.parse_args(argv)
-    problems, report = explain(Path(args.file))
+    path = Path(args.file)
+    kind, how = (args.kind, "") if args.kind else (detect_kind(path), ", told by its keys (--kind to choose)")
+    problems, report = EXPLAINERS[kind](path, how)
     print(report)
     return 2 if problems else 0
 

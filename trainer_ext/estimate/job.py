@@ -58,7 +58,9 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
         TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
 
 
-def _parse(argv: Sequence[str], num_processes: int) -> tuple[dict[str, Any], Any]:
+def parse_job_flags(argv: Sequence[str], num_processes: int) -> tuple[dict[str, Any], Any]:
+    """The flag values and the TrainJobArguments ``train`` would build, checked as launched on ``num_processes``
+    ranks but not against this machine (strategy and precision flags are left out of the arguments)."""
     from ..arguments import TrainJobArguments
     from ..flags import _unknown_flag_error, parse_train_values
 
@@ -108,7 +110,7 @@ def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
     """Parse train flags, build the meta model, read the setup for ``num_processes`` ranks."""
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
-    values, args = _parse(argv, num_processes)
+    values, args = parse_job_flags(argv, num_processes)
     model, seq_len = build_meta_model(args)
     filled = {
         **values,

@@ -1,0 +1,102 @@
+"""``trainer-ext config validate``: every kind of config file the project ships, checked by the reader that reads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import CONFIGS, ROOT
+from trainer_ext.cli.main import main
+
+SHIPPED = sorted(p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+KIND_OF_FOLDER = {"fsdp": "an FSDP config", "deepspeed": "a DeepSpeed config", "examples": "a train config"}
+
+
+def test_every_config_file_we_ship_is_found() -> None:
+    assert {p.parent.name for p in SHIPPED} >= {"fsdp", "deepspeed", "examples"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(CONFIGS)) for p in SHIPPED])
+def test_every_shipped_config_validates_as_its_kind(path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # train configs name files relative to the repository, as their comments say
+    code = main(["config", "validate", str(path.relative_to(ROOT))])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    first = out.splitlines()[0]
+    kind = KIND_OF_FOLDER.get(path.parent.name, "")
+    assert first.startswith(f"{path.relative_to(ROOT)}: OK as {kind}") and "told by its keys" in first, first
+    assert "problem" not in out and "unknown key" not in out
+
+
+def test_an_fsdp_preset_shows_the_settings_train_applies(capsys) -> None:
+    assert main(["config", "validate", str(CONFIGS / "fsdp" / "shard_grad_op.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "reshard_after_forward          False" in out and "auto_wrap_policy               transformer" in out
+
+
+def test_each_kind_reports_the_problem_its_reader_finds(tmp_path: Path, capsys) -> None:
+    cases = {
+        "fsdp.yaml": ("version: 2\nauto_wrap_polcy: SIZE_BASED_WRAP\nreshard_after_forward: false\n", "an FSDP"),
+        "ds.json": (json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 4}}), "a DeepSpeed"),
+        "train.yaml": ("task: causal-lm\nlearning_rat: 1.0e-3\nnum_train_epochs: 1\n", "a train"),
+    }
+    words = {
+        "fsdp.yaml": "unknown key 'auto_wrap_polcy'. Did you mean 'auto_wrap_policy'",
+        "ds.json": "unknown ZeRO stage 4",
+        "train.yaml": "unknown key 'learning_rat'",
+    }
+    for name, (text, kind) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["config", "validate", str(tmp_path / name)]) == 2, name
+        out = capsys.readouterr().out
+        assert out.startswith(f"{tmp_path / name}: 1 problem(s) as {kind} config"), out
+        assert words[name] in out, out
+
+
+def test_kind_chooses_the_reader(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "mixed.yaml"
+    path.write_text("gradient_accumulation_steps: 4\n")  # a launch key, a train flag and a DeepSpeed key
+    assert main(["config", "validate", str(path)]) == 0
+    assert "OK as a launch config" in capsys.readouterr().out  # a tie goes to what a YAML file usually is
+    assert main(["config", "validate", "--kind", "train", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OK as a train config (trainer-ext train --config)\n" in out and "told by its keys" not in out
+    assert main(["config", "validate", "--kind", "fsdp", str(CONFIGS / "deepspeed" / "zero2.json")]) == 2
+    assert "unknown key 'train_micro_batch_size_per_gpu'" in capsys.readouterr().out
+
+
+def one_error_line(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_unknown_kind_or_a_file_of_no_kind_is_one_line_naming_the_kinds(tmp_path: Path, capsys) -> None:
+    err = one_error_line(capsys, ["config", "validate", "--kind", "fdsp", str(CONFIGS / "fsdp" / "full_shard.yaml")])
+    assert "unknown kind 'fdsp'; the kinds are launch, fsdp, deepspeed, train. Did you mean 'fsdp'?" in err
+    other = tmp_path / "other.yaml"
+    other.write_text("colour: blue\nsize: 3\n")
+    err = one_error_line(capsys, ["config", "validate", str(other)])
+    assert f"cannot tell which kind of config {other} is: none of its keys (colour, size)" in err
+    assert "the kinds are launch, fsdp, deepspeed, train (pass --kind KIND)" in err
+    (tmp_path / "empty.yaml").write_text("")
+    assert "it is empty" in one_error_line(capsys, ["config", "validate", str(tmp_path / "empty.yaml")])
+    assert main(["config", "validate", "--kind", "launch", str(tmp_path / "empty.yaml")]) == 0
+
+
+def test_a_yaml_error_is_shown_with_its_line_and_caret(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\n  use_cpu: true\n")
+    assert main(["config", "validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: config file {bad} is not valid YAML: line 3, column 10: mapping values are not allowed here",
+        "      use_cpu: true",
+        "             ^",
+    ]
+    assert main(["config", "validate", "--kind", "launch", str(bad)]) == 2  # listed as a problem, caret kept
+    out = capsys.readouterr().out
+    assert "\n  - launch config" in out and "\n          use_cpu: true\n                 ^" in out, out
