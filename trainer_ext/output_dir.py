@@ -2,7 +2,8 @@
 
 A job writes ``trainer_ext_run.json`` (the fingerprint of its model, data and task) when it starts. A later
 job in the same directory must have the same fingerprint; with checkpoints present it must also say whether
-to resume (``--resume_from_checkpoint``) or start over (``--overwrite_output_dir``).
+to resume (``--resume_from_checkpoint``) or start over (``--overwrite_output_dir``). The data shipped with the
+package is recorded by name (``<built-in sentiment.jsonl>``), not by where the package is installed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import disk_space, run_lock
 from .arguments import TrainJobArguments
 from .checkpointing.listing import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
+from .data import CORPUS, SENTIMENT
 from .errors import ConfigError
 
 RUN_FILE = "trainer_ext_run.json"
@@ -45,6 +47,41 @@ RUN_ARTIFACTS = (
 )
 RUN_FOLDERS = ("merged", "report")  # --merge_lora's export; the run report (--report_plots)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
+
+
+SHIPPED_FILES = (SENTIMENT, CORPUS)
+DATA_KEYS = ("train_file", "validation_file")
+
+
+def shipped_name(path: Any) -> str | None:
+    """``<built-in NAME>`` when ``path`` is a data file shipped with the package, wherever it is installed (this
+    install's file, or a path recorded by another: ``.../trainer_ext/data/NAME``); else None."""
+    if not isinstance(path, str) or not path:
+        return None
+    for shipped in SHIPPED_FILES:
+        parts = Path(path).parts
+        if parts[-3:] == ("trainer_ext", "data", shipped.name) or _same_file(path, shipped):
+            return f"<built-in {shipped.name}>"
+    return None
+
+
+def _same_file(path: str, shipped: Path) -> bool:
+    try:
+        return os.path.samefile(path, shipped)
+    except OSError:
+        return False
+
+
+def portable(job: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A job fingerprint with the shipped data named instead of located, so installs in other places agree."""
+    if not isinstance(job, dict):
+        return job
+    return {k: (shipped_name(v) or v) if k in DATA_KEYS else v for k, v in job.items()}
+
+
+def job_identity(args: TrainJobArguments) -> dict[str, Any]:
+    """What identifies ``args``'s job in ``trainer_ext_run.json``: its fingerprint, made :func:`portable`."""
+    return portable(args.fingerprint())
 
 
 def read_fingerprint(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -99,8 +136,8 @@ def check(args: TrainJobArguments) -> bool | str | None:
     holds_run = bool(found) or any((out / name).exists() for name in MODEL_FILES + (RUN_FILE,))
     if not holds_run or args.overwrite_output_dir:
         return resume
-    previous = read_fingerprint(out)
-    if previous != args.fingerprint():
+    previous = portable(read_fingerprint(out))
+    if previous != job_identity(args):
         raise ConfigError(
             f"--output_dir {str(out)!r} already holds a run of a different job ({_difference(previous, args)}). "
             "Pick another --output_dir, or pass --overwrite_output_dir to replace that run"
@@ -135,7 +172,7 @@ def _difference(previous: dict[str, Any] | None, args: TrainJobArguments) -> str
     """A short account of how the previous run's job differs from this one."""
     if previous is None:
         return f"no {RUN_FILE}: not written by trainer-ext train"
-    current = args.fingerprint()
+    current = job_identity(args)
     changed = [f"{k}: {previous.get(k)!r} -> {current[k]!r}" for k in current if previous.get(k) != current[k]]
     return "; ".join(changed[:3]) or "different fingerprint"
 
@@ -158,7 +195,7 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
         tmp = out / f".{RUN_FILE}.tmp"
         try:
             tmp.write_text(
-                json.dumps({"trainer_ext_run": 1, "job": args.fingerprint()}, indent=2) + "\n", encoding="utf-8"
+                json.dumps({"trainer_ext_run": 1, "job": job_identity(args)}, indent=2) + "\n", encoding="utf-8"
             )
             os.replace(tmp, out / RUN_FILE)
         except OSError as error:
