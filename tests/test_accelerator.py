@@ -133,7 +133,7 @@ def test_unknown_or_missing_tracker_is_a_clear_error(monkeypatch: pytest.MonkeyP
     with pytest.raises(ConfigError, match="unknown tracker 'tensorbord'.*Did you mean 'tensorboard'"):
         Accelerator(cpu=True, log_with="tensorbord")
     monkeypatch.setattr(TRACKERS["wandb"], "available", classmethod(lambda cls: False))
-    with pytest.raises(ConfigError, match=r"pip install 'trainer_ext\[trackers\]'"):
+    with pytest.raises(ConfigError, match=r"pip install wandb \(every tracker, from a checkout: pip install -e"):
         Accelerator(cpu=True, log_with="wandb")
 
 

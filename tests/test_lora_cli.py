@@ -180,7 +180,7 @@ def test_the_cli_without_peft_exits_2_without_a_traceback(tmp_path: Path) -> Non
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "error: --lora_r needs peft, which is not installed: pip install 'trainer_ext[peft]'" in proc.stderr
+    assert "error: --lora_r needs peft, which is not installed: pip install 'peft>=0.14'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
@@ -189,4 +189,4 @@ def test_help_lists_the_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules", "--merge_lora"):
         assert flag in out
-    assert "all-linear" in out and "trainer_ext[peft]" in out
+    assert "all-linear" in out and "'peft>=0.14'" in out

@@ -12,7 +12,7 @@ from .errors import ConfigError
 LORA_ALPHA_PER_RANK = 2
 LORA_DROPOUT = 0.05
 ALL_LINEAR = "all-linear"
-PEFT_INSTALL = "pip install 'trainer_ext[peft]'"
+PEFT_INSTALL = "pip install 'peft>=0.14'"
 
 
 def _help(text: str) -> dict[str, str]:
@@ -27,7 +27,7 @@ class LoraArguments:
         default=0,
         metadata=_help(
             "Train LoRA adapters of this rank (e.g. 8) on a frozen model instead of every weight; 0 (default): "
-            f"full fine-tuning. Needs the peft extra ({PEFT_INSTALL})."
+            f"full fine-tuning. Needs peft ({PEFT_INSTALL}; from a checkout: pip install -e '.[peft]')."
         ),
     )
     lora_alpha: int | None = field(

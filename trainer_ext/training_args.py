@@ -38,7 +38,7 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={
             "help": (
                 "Whether to train Linear layers in float8 (torchao, dynamic scaling) with bf16 autocast for the "
-                "rest. Needs a CUDA GPU of compute capability >= 8.9 and `pip install trainer_ext[fp8]`."
+                "rest. Needs a CUDA GPU of compute capability >= 8.9 and torchao (`pip install 'torchao>=0.10'`)."
             )
         },
     )
@@ -211,8 +211,8 @@ class TrainingArguments(transformers.TrainingArguments):
         self._refuse_combinations()
         if self.deepspeed and importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
-                "--deepspeed needs the deepspeed package: pip install 'trainer_ext[deepspeed]' (on a machine "
-                "without CUDA: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]')"
+                "--deepspeed needs the deepspeed package: pip install 'deepspeed>=0.16' (on a machine without CUDA: "
+                "DS_BUILD_OPS=0 pip install 'deepspeed>=0.16')"
             )
 
     def _refuse_combinations(self) -> None:

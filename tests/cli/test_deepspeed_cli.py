@@ -105,7 +105,7 @@ def test_every_value_contradicting_the_flags_is_listed(capsys, tmp_path):
 def test_missing_deepspeed_names_the_extra(capsys, tmp_path, monkeypatch):
     _find_spec_with(monkeypatch, None)
     err = train_error(capsys, tmp_path, "--deepspeed", ZERO2)
-    assert "pip install 'trainer_ext[deepspeed]'" in err and err.count("\n") == 1
+    assert "pip install 'deepspeed>=0.16'" in err and err.count("\n") == 1
 
 
 # -- trainer-ext launch --dry_run -------------------------------------------------------------------

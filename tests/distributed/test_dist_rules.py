@@ -125,7 +125,7 @@ def test_fp8_below_compute_capability_8_9(fake_gpu) -> None:
 
 def test_fp8_without_torchao(fake_gpu) -> None:
     fake_gpu(capability=(9, 0), torchao=False)
-    with pytest.raises(ConfigError, match=r"pip install 'trainer_ext\[fp8\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'torchao>=0\.10'"):
         check_precision("fp8", _CUDA)
 
 

@@ -336,7 +336,7 @@ def test_without_matplotlib_the_message_names_the_extra(finished_run: Path) -> N
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "error: the report's figures need matplotlib, which is not installed: pip install 'trainer_ext[report]'"
+        "error: the report's figures need matplotlib, which is not installed: pip install 'matplotlib>=3.7'"
     )
 
 

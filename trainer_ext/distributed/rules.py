@@ -46,7 +46,7 @@ def check_fp8(device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. Use --bf16 instead."
         )
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("fp8 training uses torchao, which is not installed: pip install 'trainer_ext[fp8]'")
+        raise ConfigError("fp8 training uses torchao, which is not installed: pip install 'torchao>=0.10'")
 
 
 def check_world(world_size: int, strategy: str, *, launched: bool = True) -> None:

@@ -1,6 +1,6 @@
 """Run reports: figures and a self-contained HTML page from run folders (``trainer-ext report``).
 
-matplotlib is imported only when figures are drawn (``pip install 'trainer_ext[report]'``).
+matplotlib is imported only when figures are drawn (``pip install 'matplotlib>=3.7'``, the ``report`` extra).
 """
 
 from .build import write_report

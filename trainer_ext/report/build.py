@@ -12,7 +12,7 @@ from .run import load_runs
 logger = logging.getLogger(__name__)
 
 PAGE = "report.html"
-INSTALL = "pip install 'trainer_ext[report]'"
+INSTALL = "pip install 'matplotlib>=3.7'"
 COMPARE_DIR = "trainer_ext_report"
 DEFAULT_SMOOTHING = 0.6
 

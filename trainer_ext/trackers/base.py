@@ -24,7 +24,8 @@ class Tracker:
         if not cls.available():
             raise ConfigError(
                 f"tracker {cls.name!r} needs the {cls.pip_name or cls.requires!r} package, which is not installed: "
-                f"pip install 'trainer_ext[trackers]' (or pip install {cls.pip_name or cls.requires})"
+                f"pip install {cls.pip_name or cls.requires} (every tracker, from a checkout: "
+                "pip install -e '.[trackers]')"
             )
 
     def __init__(self, project_name: str, logging_dir: str | None = None, **init_kwargs: Any) -> None:

@@ -211,7 +211,7 @@ def preview_deepspeed(s: Settings, user_args: Sequence[str], train_args: Sequenc
             f"{', '.join(left)}"
         )
     if importlib.util.find_spec("deepspeed") is None:
-        notes.append("deepspeed is not installed here; train will stop: pip install 'trainer_ext[deepspeed]'")
+        notes.append("deepspeed is not installed here; train will stop: pip install 'deepspeed>=0.16'")
     return DeepSpeedPreview(where, config, used, notes)
 
 

@@ -30,7 +30,10 @@ from ..deepspeed_plugin import DummyOptim, DummyScheduler
 from ..state import DistributedType, DistState, destroy_process_group
 from .base import Strategy
 
-INSTALL_HINT = "DeepSpeed is not installed: pip install 'trainer_ext[deepspeed]'"
+INSTALL_HINT = (
+    "DeepSpeed is not installed: pip install 'deepspeed>=0.16' "
+    "(on a machine without CUDA: DS_BUILD_OPS=0 pip install 'deepspeed>=0.16')"
+)
 LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
 
 
