@@ -17,7 +17,7 @@ import numpy as np
 import transformers
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
-from . import output_dir
+from . import cpu_threads, output_dir
 from .arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
 from .errors import ConfigError, did_you_mean
 from .lora import MERGED_DIR, apply_lora, save_merged
@@ -40,6 +40,8 @@ def train(
     the merged model in ``output_dir/merged``, merged in place at the very end).
     """
     args = _as_job_arguments(args)
+    if cpu_threads.NUM_THREADS not in os.environ:  # the CLI set it before torch was imported; here torch is
+        cpu_threads.apply_to_torch(cpu_threads.local_processes())
     fresh = not os.path.exists(args.output_dir)
     try:
         trainer, tokenized, resume = _set_up(args, callbacks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,7 +18,7 @@ from .field_types import check_field_types
 from .lora_arguments import LORA_ALPHA_PER_RANK, LORA_DROPOUT, LoraArguments
 from .metrics_arguments import MetricsArguments
 from .training_args import TrainingArguments
-from .values import parse_size
+from .values import normalize_keys, parse_size
 
 MAX_SEQ_LENGTH = 1 << 20  # tokens: a from-scratch model's position table is sized from it
 # values the Trainer takes besides what the field's annotation says (a config file may write them so)
@@ -402,18 +402,6 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
 def field_names(cls: type = TrainJobArguments) -> list[str]:
     """Every settable field of ``cls``, i.e. every valid flag and config key."""
     return [f.name for f in fields(cls) if f.init]
-
-
-def normalize_keys(values: Mapping[str, Any], valid: Iterable[str], source: str) -> dict[str, Any]:
-    """Map ``a-b`` keys to ``a_b``; ConfigError naming any unknown key and the closest valid ones."""
-    valid = list(valid)
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        name = str(key).lstrip("-").replace("-", "_")
-        if name not in valid:
-            raise ConfigError(f"unknown key {key!r} in {source}.{did_you_mean(name, valid)}")
-        out[name] = value
-    return out
 
 
 def job_arguments_from_dict(values: Mapping[str, Any]) -> TrainJobArguments:

@@ -10,9 +10,10 @@ Kubernetes spellings ``Ki/Mi/Gi/Ti`` are unambiguous and mean the binary units.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 
 TRUE_WORDS = ("true", "yes", "on", "1", "y", "t")
 FALSE_WORDS = ("false", "no", "off", "0", "n", "f")
@@ -95,3 +96,15 @@ def format_size(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}" if scale == 2**30 else f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def normalize_keys(values: Mapping[str, Any], valid: Iterable[str], source: str) -> dict[str, Any]:
+    """Map ``a-b`` keys to ``a_b``; ConfigError naming any unknown key and the closest valid ones."""
+    valid = list(valid)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in valid:
+            raise ConfigError(f"unknown key {key!r} in {source}.{did_you_mean(name, valid)}")
+        out[name] = value
+    return out

@@ -13,6 +13,8 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback
 
+from .. import cpu_threads
+
 
 def _length(loader: Any) -> int | None:
     """``len(loader)``, or None for a loader over an iterable dataset (or any without a length)."""
@@ -50,6 +52,7 @@ def run_summary(
     strategy: str,
     schedule: str,
     tokens: tuple[float, bool] | None = None,
+    threads: str | None = None,
 ) -> str:
     """The block as text (a pure function so that it is tested without a run)."""
     global_batch = world_size * per_device_batch * accumulation
@@ -79,6 +82,8 @@ def run_summary(
         f"  precision               = {precision}",
         f"  LR schedule             = {schedule}, counted in optimizer steps (never micro-batches or processes)",
     ]
+    if threads is not None:
+        lines.append(f"  CPU threads / process   = {threads}")
     return "\n".join(lines)
 
 
@@ -109,5 +114,6 @@ class RunSummaryCallback(TrainerCallback):
             schedule=f"{args.lr_scheduler_type.value if hasattr(args.lr_scheduler_type, 'value') else args.lr_scheduler_type} "
             f"with {warmup} warm-up steps",
             tokens=_tokens_per_sample(getattr(train_dataloader, "dataset", None)),
+            threads=cpu_threads.current(cpu_threads.local_processes()).describe(),
         )
         print(self.printed, flush=True)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .. import cpu_threads
 from ..errors import ConfigError, did_you_mean
 
 EXIT_USAGE = 2
@@ -51,8 +52,39 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def _build_train_parser():
+    from ..flags import build_parser  # torch and transformers: only when the flag spec is not current
+
+    return build_parser()
+
+
+def check_train_flags(argv: Sequence[str], command: str = "train", more: Sequence[str] = ()) -> None:
+    """Flags, their values and the ``--config`` files' keys checked from the flag spec, before torch is imported
+    (``more``: option strings a ``command`` adds to train's); ConfigError on the first problem."""
+    from ..config_files import load_mapping
+    from ..flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
+    from ..values import normalize_keys
+
+    flags = load_spec(_build_train_parser)
+    for path in check_argv(argv, flags, command, more):
+        values = load_mapping(path, "--config", suffixes=CONFIG_SUFFIXES)
+        normalize_keys(values, [flag.dest for flag in flags], f"config file {path!r}")
+
+
 def run_train(argv: Sequence[str]) -> int:
-    """``trainer-ext train``: parse flags and config files, run the job, report where the model went."""
+    """``trainer-ext train``: flags and config files checked before the heavy imports, the CPU thread policy set,
+    then the job run; prints where the model went."""
+    from ..flag_help import HELP_ALL
+
+    if any(word in ("-h", "--help", HELP_ALL) for word in argv):
+        from ..flag_help import render
+        from ..flag_spec import load_spec
+
+        print(render(load_spec(_build_train_parser), everything=HELP_ALL in argv), end="")
+        return 0
+    check_train_flags(argv)
+    cpu_threads.apply_to_environment(cpu_threads.local_processes())
+
     from ..api import train
     from ..flags import parse_train_args
 

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="FSDP config, passed to train as --fsdp full_shard --fsdp_config, to a script as TRAINER_EXT_FSDP_CONFIG",
     )
+    add(
+        "--num_cpu_threads_per_process",
+        type=int,
+        metavar="N",
+        help="CPU threads of each process (OMP_NUM_THREADS; default: the usable cores / processes per machine)",
+    )
     add("--debug", action="store_const", const=True, help="TORCH_DISTRIBUTED_DEBUG=DETAIL in every process")
     add("--config_file", metavar="FILE", help="launch config (default: $TRAINER_EXT_CONFIG_FILE or ~/.cache/...)")
     add("--dry_run", action="store_true", default=False, help="print the settings and the command, start nothing")

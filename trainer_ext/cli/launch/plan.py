@@ -8,11 +8,12 @@ the main address. One process otherwise is started directly.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass
 
-from ... import env_vars
+from ... import cpu_threads, env_vars
 from .fsdp import FSDPPreview, preview_fsdp, runs_fsdp, script_fsdp
 from .settings import Settings, loopback_rendezvous
 from .target import Target
@@ -51,6 +52,20 @@ def rendezvous_args(s: Settings) -> list[str]:
     return args + (["--rdzv_conf", f"join_timeout={timeout}"] if timeout else [])
 
 
+def _thread_env(s: Settings) -> dict[str, str]:
+    """OMP_NUM_THREADS and the OpenMP wait policy of each process (``trainer_ext.cpu_threads``), where not set."""
+    given = s["num_cpu_threads_per_process"]
+    env: dict[str, str] = {}
+    if given:
+        env = {cpu_threads.NUM_THREADS: str(given), cpu_threads.SOURCE: "flag"}
+    elif cpu_threads.NUM_THREADS not in os.environ:  # else the user's value reaches every process as it is
+        cpu_threads.apply_to_environment(int(s["nproc_per_node"] or 1), env=env)
+        env.pop(cpu_threads.WAIT_POLICY)
+    if cpu_threads.WAIT_POLICY not in os.environ:
+        env[cpu_threads.WAIT_POLICY] = cpu_threads.DEFAULT_WAIT_POLICY
+    return env
+
+
 def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     """The command and environment for ``target`` under settings ``s`` (``strategy=False``: DDP only)."""
     notes: list[str] = []
@@ -72,6 +87,7 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
             env[env_vars.FSDP_CONFIG] = fsdp.exported()
     if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
         env[env_vars.CUDA_VISIBLE_DEVICES] = s["gpu_ids"]
+    env.update(_thread_env(s))
     if s["debug"]:
         env[env_vars.TORCH_DISTRIBUTED_DEBUG] = "DETAIL"
     if int(s["max_restarts"] or 0) > 0:

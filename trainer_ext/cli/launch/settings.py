@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "debug": False,
     "require_gpu": False,
     "distributed_type": None,
+    "num_cpu_threads_per_process": None,
 }
 SHOWN = (
     "num_machines",
@@ -53,6 +54,7 @@ SHOWN = (
     "fsdp",
     "fsdp_config",
     "debug",
+    "num_cpu_threads_per_process",
 )
 PROCESS_KEYS = ("num_processes", "nproc_per_node")
 # command-line values go through the same checks as config-file values
@@ -60,6 +62,7 @@ CONVERTERS = {
     **PLAIN_KEYS,
     "nproc_per_node": whole_number(1, MAX_PROCESSES_PER_MACHINE),
     "rdzv_timeout": whole_number(1, 7 * 24 * 3600),  # seconds: a week
+    "num_cpu_threads_per_process": whole_number(1, MAX_PROCESSES_PER_MACHINE),
 }
 
 
