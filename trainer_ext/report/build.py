@@ -39,6 +39,7 @@ def write_report(
     smoothing: float = DEFAULT_SMOOTHING,
     require_figures: bool = True,
     this_one_trains: bool = False,
+    written_by: str = "trainer-ext report",
 ) -> Path:
     """Write the figures and ``report.html`` for ``run_dirs`` into ``out_dir``; return the page's path.
 
@@ -46,7 +47,7 @@ def write_report(
     ``require_figures``, when matplotlib is missing; without it the page then holds the tables only. A folder that
     cannot be written (permissions, a full disk) is a ConfigError too. ``this_one_trains``: called by the training
     process itself (its report at a checkpoint), whose run is in progress. matplotlib's backend and rcParams are
-    left as they were.
+    left as they were. ``written_by``: who wrote the page, said in its header.
     """
     if not run_dirs:
         raise ConfigError("no run folder given")
@@ -78,7 +79,7 @@ def write_report(
             for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
                 (out / f"{stale}.png").unlink(missing_ok=True)
         tmp = out / f".{PAGE}.tmp"
-        tmp.write_text(render(runs, figures, note), encoding="utf-8")
+        tmp.write_text(render(runs, figures, note, written_by), encoding="utf-8")
         os.replace(tmp, page)  # a reader never sees half a page
     except OSError as error:
         raise ConfigError(f"cannot write the report into --out {str(out)!r}: {error.strerror or error}") from error

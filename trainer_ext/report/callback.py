@@ -98,8 +98,10 @@ class ReportCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         self._event(args.output_dir, "save", step=state.global_step, checkpoint=f"checkpoint-{state.global_step}")
+        if not any("step" in entry for entry in state.log_history):
+            return  # nothing logged before this checkpoint: no curve to draw yet, and nothing wrong
         if time.perf_counter() - self._last_write >= REFRESH_RATIO * self._write_seconds:
-            self._write(partial=True)
+            self._write(partial=True, step=state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -130,10 +132,12 @@ class ReportCallback(TrainerCallback):
             return None
         return self._write(partial=False)
 
-    def _write(self, *, partial: bool) -> Path | None:
+    def _write(self, *, partial: bool, step: int | None = None) -> Path | None:
         from .build import matplotlib_missing, write_report
+        from .summary import is_train_command
 
         began = time.perf_counter()
+        who = "trainer-ext train" if is_train_command(sys.argv) else "trainer_ext.train()"
         missing = matplotlib_missing()
         if missing and not self._warned_figures:
             logger.warning("report_plots: %s; the report holds its tables only", missing)
@@ -145,6 +149,7 @@ class ReportCallback(TrainerCallback):
                 allow_running=partial,
                 require_figures=False,
                 this_one_trains=partial,
+                written_by=f"{who} at checkpoint-{step}, while training" if partial else f"{who} when training ended",
             )
         except Exception as error:  # a report must never cost the run: say why and carry on
             if not self._warned:

@@ -2,7 +2,8 @@
 
 Each takes the runs (several overlay, one colour each) and returns a :class:`Figure` to save, or None when no run
 logged what it shows. Checkpoints (dotted), resumes (dashed, labelled) and skipped steps (ticks at the bottom) are
-marked on every step axis.
+marked on every step axis; step axes start at 0, end at the last step and have whole-number ticks. A series of one
+point is drawn as a marker (a line through one point draws nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FIGURE_NAMES = (
     "timeline",
 )
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+# eval_* values not drawn as metrics: transformers' mean of batch means (a variant of eval_loss, drawn with the loss)
+NOT_DRAWN = ("eval_batch_mean_loss",)
 
 
 @dataclass
@@ -47,7 +50,8 @@ def smooth(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def _new(rows: int = 1, height: float | None = None) -> tuple[Any, Any]:
+def _new(rows: int = 1, height: float | None = None, x_end: float | None = None) -> tuple[Any, Any]:
+    """A figure of ``rows`` panels sharing x; ``x_end``: the x axis counts steps (or tokens) from 0 to ``x_end``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as MplFigure
 
@@ -56,7 +60,31 @@ def _new(rows: int = 1, height: float | None = None) -> tuple[Any, Any]:
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     for ax in axes:
         ax.grid(True, alpha=0.3)
+    if x_end is not None:
+        whole_ticks(axes[-1].xaxis)
+        pad = max(0.5, x_end * 0.02)  # room for a marker at either end
+        axes[-1].set_xlim(-pad, max(x_end, 1) + pad)
     return fig, axes
+
+
+def whole_ticks(axis: Any) -> None:
+    """Ticks at whole numbers only (a 5-step run is not labelled 2.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def points(count: int, many: int = 60) -> dict[str, Any]:
+    """Marker style for a series of ``count`` points: a dot on each when few, a visible disc for a single one."""
+    if count == 1:
+        return {"marker": "o", "markersize": 6}
+    return {"marker": "."} if count < many else {}
+
+
+def last_step(runs: list[RunData]) -> int:
+    """Where the step axis ends: the furthest step any run reached or logged."""
+    logged = [e["step"] for r in runs for e in r.history if "step" in e]
+    return max([r.global_step for r in runs] + logged + [c.step for r in runs for c in r.checkpoints])
 
 
 def _save(fig: Any, out: Path, figure: Figure) -> Figure:
@@ -110,6 +138,10 @@ def _steps(steps: list[int]) -> list[float]:
     return [float(s) for s in steps]
 
 
+def _label(run: RunData, runs: list[RunData]) -> str | None:
+    return run.label if len(runs) > 1 else None
+
+
 def _legend(ax: Any) -> None:
     handles, labels = ax.get_legend_handles_labels()
     if handles:
@@ -123,13 +155,20 @@ def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: boo
         return None
     if not any(r.series("loss")[0] or r.eval_series("eval_loss")[0] for r in runs):
         return None
-    fig, (ax,) = _new()
+    end = last_step(runs)
+    if by_tokens:
+        end = max((r.tokens_at([end]) or [0.0])[0] for r in runs)
+    fig, (ax,) = _new(x_end=end)
     for i, run in enumerate(runs):
         col, x_of, prefix = colour(i), axis(run), f"{run.label}: " if len(runs) > 1 else ""
         if x_of is None or (by_tokens and run.token_key is None):
             continue
         steps, losses = run.series("loss")
-        if losses:
+        if len(losses) == 1:  # raw and smoothed are the same point; a diamond, told apart from eval's discs
+            ax.plot(
+                x_of(steps), losses, color=col, linestyle="none", marker="D", markersize=6, label=f"{prefix}train loss"
+            )
+        elif losses:
             xs = x_of(steps)
             ax.plot(xs, losses, color=col, alpha=0.3, linewidth=1, label=f"{prefix}train loss (raw)")
             ax.plot(
@@ -142,7 +181,7 @@ def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: boo
         steps, losses = run.eval_series("eval_loss")
         if losses:
             ax.plot(
-                x_of(steps), losses, color=col, linestyle="--", marker="o", markersize=4, label=f"{prefix}eval loss"
+                x_of(steps), losses, color=col, linestyle="--", marker="o", markersize=5, label=f"{prefix}eval loss"
             )
         mark_events(ax, run, col, x_of, label=i == 0)
     ax.set_xlabel("tokens seen" if by_tokens else "optimizer step")
@@ -151,8 +190,8 @@ def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: boo
     _legend(ax)
     name, title = ("loss_vs_tokens", "Loss vs tokens seen") if by_tokens else ("loss_vs_step", "Loss vs step")
     caption = (
-        "Training loss as logged (faint) and smoothed (solid), evaluation loss (dashed, dots); dotted lines are "
-        "checkpoints, dashed lines resumes, ticks at the bottom skipped optimizer steps."
+        "Training loss as logged (faint) and smoothed (solid; a diamond when logged once), evaluation loss (dashed, "
+        "dots); dotted lines are checkpoints, dashed lines resumes, ticks at the bottom skipped optimizer steps."
     )
     if by_tokens:
         caption += " Tokens are the positions the model processed, padding included."
@@ -164,18 +203,11 @@ def line_figure(
 ) -> Figure | None:
     if not any(r.series(key)[0] for r in runs):
         return None
-    fig, (ax,) = _new()
+    fig, (ax,) = _new(x_end=last_step(runs))
     for i, run in enumerate(runs):
         steps, values = run.series(key)
         if values:
-            ax.plot(
-                steps,
-                values,
-                color=colour(i),
-                linewidth=1.6,
-                marker="." if len(steps) < 60 else None,
-                label=run.label if len(runs) > 1 else None,
-            )
+            ax.plot(steps, values, color=colour(i), linewidth=1.6, **points(len(steps)), label=_label(run, runs))
         mark_events(ax, run, colour(i), _steps, label=i == 0)
     values = [v for r in runs for v in r.series(key)[1]]
     if log and values and min(values) > 0 and max(values) / min(values) > 50:
@@ -191,13 +223,13 @@ def throughput_figure(runs: list[RunData], out: Path) -> Figure | None:
     keys = [k for k in ("samples_per_second", "tokens_per_second", "mfu") if any(r.series(k)[0] for r in runs)]
     if not keys:
         return None
-    fig, axes = _new(len(keys))
+    fig, axes = _new(len(keys), x_end=last_step(runs))
     labels = {"samples_per_second": "samples / s", "tokens_per_second": "tokens / s", "mfu": "MFU"}
     for ax, key in zip(axes, keys, strict=False):
         for i, run in enumerate(runs):
             steps, values = run.series(key)
             if values:
-                ax.plot(steps, values, color=colour(i), linewidth=1.4, label=run.label if len(runs) > 1 else None)
+                ax.plot(steps, values, color=colour(i), linewidth=1.4, **points(len(steps)), label=_label(run, runs))
             mark_events(ax, run, colour(i), _steps, label=False)
         ax.set_ylabel(labels[key])
         ax.set_ylim(bottom=0)
@@ -212,34 +244,40 @@ def throughput_figure(runs: list[RunData], out: Path) -> Figure | None:
 
 
 def eval_metrics_figure(runs: list[RunData], out: Path) -> Figure | None:
-    names = list(dict.fromkeys(n for r in runs for n in r.eval_metric_names() if n != "eval_loss"))
-    names = [n for n in names if any(len(r.eval_series(n)[0]) for r in runs)]
+    """A panel per eval metric (eval_loss is on the loss figure) that some run evaluated at two steps or more.
+
+    A metric evaluated once is a number, not a curve: the summary's final metrics hold it.
+    """
+    names = list(dict.fromkeys(n for r in runs for n in r.eval_metric_names() if n not in ("eval_loss", *NOT_DRAWN)))
+    names = [n for n in names if any(len(r.eval_series(n)[0]) > 1 for r in runs)]
     if not names:
         return None
-    fig, axes = _new(len(names), height=min(2.4 * len(names) + 0.8, 14))
+    fig, axes = _new(len(names), height=min(2.4 * len(names) + 0.8, 14), x_end=last_step(runs))
     for ax, name in zip(axes, names, strict=False):
         for i, run in enumerate(runs):
             steps, values = run.eval_series(name)
             if values:
                 ax.plot(
-                    steps,
-                    values,
-                    color=colour(i),
-                    marker="o",
-                    markersize=4,
-                    linewidth=1.4,
-                    label=run.label if len(runs) > 1 else None,
+                    steps, values, color=colour(i), marker="o", markersize=5, linewidth=1.4, label=_label(run, runs)
                 )
         ax.set_ylabel(name.removeprefix("eval_"), fontsize=9)
     axes[0].set_title("Evaluation metrics")
     axes[-1].set_xlabel("optimizer step")
     _legend(axes[0])
-    return _save(fig, out, Figure("eval_metrics", "Evaluation metrics", "Every eval_* value the run logged, by step."))
+    caption = (
+        "Each eval_* value the run logged at two evaluations or more, by step (eval_loss is on the loss figure; a "
+        "value evaluated once is in the summary's final metrics)."
+    )
+    return _save(fig, out, Figure("eval_metrics", "Evaluation metrics", caption))
 
 
-def stability_figure(runs: list[RunData], out: Path) -> Figure:
-    fig, (ax,) = _new()
-    any_event = False
+def stability_figure(runs: list[RunData], out: Path) -> Figure | None:
+    """Cumulative skipped steps; None unless some run skipped one (a flat zero line shows nothing)."""
+    keys = ("skipped_optimizer_steps", "nan_guard_skipped_steps")
+    if not any(r.skip_events(key) for r in runs for key in keys):
+        return None
+    fig, (ax,) = _new(x_end=last_step(runs))
+    whole_ticks(ax.yaxis)
     for i, run in enumerate(runs):
         for key, style, name in (
             ("skipped_optimizer_steps", "-", "fp16 loss-scaler skips"),
@@ -254,12 +292,9 @@ def stability_figure(runs: list[RunData], out: Path) -> Figure:
                 total += [total[-1], total[-1] + count]
             steps.append(max(run.global_step, steps[-1]))
             total.append(total[-1])
-            any_event = any_event or bool(events)
             prefix = f"{run.label}: " if len(runs) > 1 else ""
             ax.plot(steps, total, color=colour(i), linestyle=style, linewidth=1.8, label=f"{prefix}{name}")
         mark_events(ax, run, colour(i), _steps, label=i == 0)
-    if not any_event:
-        ax.text(0.5, 0.5, "no skipped steps recorded", transform=ax.transAxes, ha="center", va="center", color="#555")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("steps skipped (cumulative)")
     ax.set_title("Skipped optimizer steps: fp16 overflow and NaN guard")
@@ -278,6 +313,7 @@ def timeline_figure(runs: list[RunData], out: Path) -> Figure | None:
     span = max(s.last_time - r.segments[0].start_time for r in runs if r.segments for s in r.segments)
     unit, scale = ("seconds", 1) if span < 180 else ("minutes", 60) if span < 3 * 3600 else ("hours", 3600)
     fig, (ax,) = _new()
+    whole_ticks(ax.yaxis)
     for i, run in enumerate(runs):
         if not run.segments:
             continue
@@ -307,6 +343,7 @@ def timeline_figure(runs: list[RunData], out: Path) -> Figure | None:
                 [s for _, s in pts],
                 color=col,
                 linewidth=1.8,
+                **(points(1) if len(pts) == 1 else {}),
                 label=(f"{run.label}" if len(runs) > 1 and k == 0 else None),
             )
             if segment.resumed:

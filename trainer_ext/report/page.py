@@ -88,14 +88,17 @@ def _image(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
 
-def render(runs: list[RunData], figures: list[Figure], note: str | None = None) -> str:
+def render(
+    runs: list[RunData], figures: list[Figure], note: str | None = None, written_by: str = "trainer-ext report"
+) -> str:
+    """The whole page; ``written_by`` names who wrote it (the report command, or the training job itself)."""
     title = "Training report: " + ", ".join(run.label for run in runs)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        f"<p class='meta'>written {_e(_when(datetime.datetime.now().timestamp()))} by trainer-ext report</p>",
+        f"<p class='meta'>written {_e(_when(datetime.datetime.now().timestamp()))} by {_e(written_by)}</p>",
     ]
     if note:
         parts.append(f"<p class='warn'>{_e(note)}</p>")

@@ -87,8 +87,9 @@ class RunData:
 
     @property
     def eval_logs(self) -> list[dict[str, Any]]:
-        """Evaluation results, the last one per step (train() evaluates again after the final step)."""
-        return _by_step(e for e in self.history if "step" in e and any(k.startswith("eval_") for k in e))
+        """Evaluation results, one per step. train() evaluates again after the final step (with
+        --load_best_model_at_end, the best checkpoint's model): there the evaluation made in training counts."""
+        return _by_step((e for e in self.history if "step" in e and any(k.startswith("eval_") for k in e)), first=True)
 
     def series(self, key: str, logs: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` where it is logged and finite."""
@@ -169,10 +170,12 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _by_step(entries: Any) -> list[dict[str, Any]]:
+def _by_step(entries: Any, first: bool = False) -> list[dict[str, Any]]:
+    """One entry per step, in step order: the last logged, or with ``first`` the first (later ones fill its gaps)."""
     out: dict[int, dict[str, Any]] = {}
     for entry in entries:
-        out[int(entry["step"])] = entry
+        step = int(entry["step"])
+        out[step] = {**entry, **out[step]} if first and step in out else entry
     return [out[s] for s in sorted(out)]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..checkpointing import marker as markers
 from ..checkpointing.verification import check_safetensors
 from ..values import FALSE_WORDS, TRUE_WORDS
-from .run import EVAL_SPEED, RunData
+from .run import EVAL_SPEED, RunData, _finite
 
 # metrics where higher is better; any other is taken as lower-is-better (losses, perplexity)
 HIGHER_IS_BETTER = ("accuracy", "f1", "precision", "recall", "matthews", "bleu", "rouge", "exact_match", "auc")
@@ -172,8 +172,10 @@ def final_metrics(run: RunData) -> dict[str, tuple[int, float]]:
         steps, values = run.eval_series(name)
         if values:
             out[name] = (steps[-1], values[-1])
-    for name, value in run.results.items():  # train() adds a few after its last evaluation (e.g. the baseline)
-        if name.startswith("eval_") and name not in out and name not in EVAL_SPEED and isinstance(value, (int, float)):
+    # train()'s last evaluation, of the model it saved (the best checkpoint's with --load_best_model_at_end), with the
+    # few values it adds (the baseline, perplexity)
+    for name, value in run.results.items():
+        if name.startswith("eval_") and name not in EVAL_SPEED and _finite(value):
             out[name] = (run.global_step, float(value))
     return out
 
@@ -202,8 +204,20 @@ def throughput_text(run: RunData) -> str:
             median = statistics.median(values)
             parts.append(f"{median * 100:.1f}% MFU" if key == "mfu" else f"{number(round(median, 1))} {unit}")
     if not parts:
-        return "not logged (add ThroughputCallback, or run through trainer-ext train)"
+        return "not logged: " + _no_throughput(run)
     return "median " + ", ".join(parts) + ("" if run.series("mfu")[1] else " (MFU: no known peak for this device)")
+
+
+def _no_throughput(run: RunData) -> str:
+    """Why a run has no throughput figures, from what it recorded."""
+    lines = len(run.train_logs)
+    if not lines:
+        return "the run logged no training line (--logging_steps not reached yet, or --logging_strategy no)"
+    if run.events:  # a train() job with its report on: ThroughputCallback was attached
+        return f"none of its {lines} training log line{'s' if lines > 1 else ''} carries samples/s"
+    if run.job:
+        return "this train() job ran with --report_plots false, which leaves ThroughputCallback out"
+    return "a plain Trainer run: add trainer_ext.callbacks.ThroughputCallback to its callbacks"
 
 
 def saved_text(run: RunData) -> str:
@@ -216,9 +230,14 @@ def saved_text(run: RunData) -> str:
     return f"{run.path.resolve()} ({', '.join(saved)}){merged}{newest}"
 
 
+def is_train_command(argv: list[str]) -> bool:
+    """Whether ``argv`` is ``trainer-ext train …`` (or ``python -m trainer_ext train …``)."""
+    return len(argv) > 1 and argv[1] == "train" and os.path.basename(argv[0]) in ("trainer-ext", "__main__.py")
+
+
 def _train_command(argv: list[str], output_dir: Path) -> str | None:
     """The ``trainer-ext train`` command that resumes this run, from the recorded command line, or None."""
-    if len(argv) < 2 or argv[1] != "train" or os.path.basename(argv[0]) not in ("trainer-ext", "__main__.py"):
+    if not is_train_command(argv):
         return None
     flags, skip = [], False
     for i, word in enumerate(argv[2:]):
