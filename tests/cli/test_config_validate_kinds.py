@@ -11,11 +11,16 @@ from tests.helpers.paths import CONFIGS, ROOT
 from trainer_ext.cli.main import main
 
 SHIPPED = sorted(p for p in CONFIGS.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
-KIND_OF_FOLDER = {"fsdp": "an FSDP config", "deepspeed": "a DeepSpeed config", "examples": "a train config"}
+KIND_OF_FOLDER = {
+    "fsdp": "an FSDP config",
+    "deepspeed": "a DeepSpeed config",
+    "examples": "a train config",
+    "estimate": "a model config",
+}
 
 
 def test_every_config_file_we_ship_is_found() -> None:
-    assert {p.parent.name for p in SHIPPED} >= {"fsdp", "deepspeed", "examples"}
+    assert {p.parent.name for p in SHIPPED} >= set(KIND_OF_FOLDER)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(CONFIGS)) for p in SHIPPED])
@@ -41,11 +46,13 @@ def test_each_kind_reports_the_problem_its_reader_finds(tmp_path: Path, capsys) 
         "fsdp.yaml": ("version: 2\nauto_wrap_polcy: SIZE_BASED_WRAP\nreshard_after_forward: false\n", "an FSDP"),
         "ds.json": (json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 4}}), "a DeepSpeed"),
         "train.yaml": ("task: causal-lm\nlearning_rat: 1.0e-3\nnum_train_epochs: 1\n", "a train"),
+        "model.json": (json.dumps({"model_type": "lama", "hidden_size": 64, "num_hidden_layers": 2}), "a model"),
     }
     words = {
         "fsdp.yaml": "unknown key 'auto_wrap_polcy'. Did you mean 'auto_wrap_policy'",
         "ds.json": "unknown ZeRO stage 4",
         "train.yaml": "unknown key 'learning_rat'",
+        "model.json": "model_type 'lama' is not one transformers knows (e.g. llama, gpt2, bert). Did you mean 'llama'",
     }
     for name, (text, kind) in cases.items():
         (tmp_path / name).write_text(text)
@@ -76,12 +83,12 @@ def one_error_line(capsys, argv: list[str]) -> str:
 
 def test_an_unknown_kind_or_a_file_of_no_kind_is_one_line_naming_the_kinds(tmp_path: Path, capsys) -> None:
     err = one_error_line(capsys, ["config", "validate", "--kind", "fdsp", str(CONFIGS / "fsdp" / "full_shard.yaml")])
-    assert "unknown kind 'fdsp'; the kinds are launch, fsdp, deepspeed, train. Did you mean 'fsdp'?" in err
+    assert "unknown kind 'fdsp'; the kinds are launch, fsdp, deepspeed, train, model. Did you mean 'fsdp'?" in err
     other = tmp_path / "other.yaml"
     other.write_text("colour: blue\nsize: 3\n")
     err = one_error_line(capsys, ["config", "validate", str(other)])
     assert f"cannot tell which kind of config {other} is: none of its keys (colour, size)" in err
-    assert "the kinds are launch, fsdp, deepspeed, train (pass --kind KIND)" in err
+    assert "the kinds are launch, fsdp, deepspeed, train, model (pass --kind KIND)" in err
     (tmp_path / "empty.yaml").write_text("")
     assert "it is empty" in one_error_line(capsys, ["config", "validate", str(tmp_path / "empty.yaml")])
     assert main(["config", "validate", "--kind", "launch", str(tmp_path / "empty.yaml")]) == 0

@@ -6,7 +6,7 @@
 
 The file uses accelerate's key names (see :mod:`.launch.config_file`); it goes to ``--config_file``, else
 ``$TRAINER_EXT_CONFIG_FILE``, else ``~/.cache/trainer_ext/default_config.yaml``. ``validate`` also checks the
-other kinds of config file (FSDP, DeepSpeed, train), each with the reader that will read it, the kind told by
+other kinds of config file (FSDP, DeepSpeed, train, model), each with the reader that will read it, the kind told by
 the file's keys or ``--kind``.
 """
 
@@ -183,6 +183,7 @@ KINDS = {
     "fsdp": "an FSDP config (--fsdp_config of launch or train)",
     "deepspeed": "a DeepSpeed config (--deepspeed of launch or train)",
     "train": "a train config (trainer-ext train --config)",
+    "model": "a model config (--model_config of train or estimate)",
 }
 # The keys that tell each kind apart (a key may belong to several; the kind with most of the file's keys wins).
 FSDP_KEYS = (
@@ -227,6 +228,22 @@ DEEPSPEED_KEYS = (
     "torch_autocast",
 )
 
+MODEL_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+)
+
 
 def _key_sets() -> dict[str, set[str]]:
     from ..arguments import field_names
@@ -236,6 +253,7 @@ def _key_sets() -> dict[str, set[str]]:
         "fsdp": set(FSDP_KEYS),
         "deepspeed": set(DEEPSPEED_KEYS),
         "train": set(field_names()),
+        "model": set(MODEL_KEYS),
     }
 
 
@@ -245,7 +263,7 @@ def detect_kind(path: Path) -> str:
     names = [str(k).replace("-", "_") for k in data]
     scores = {kind: sum(_belongs(name, kind, keys) for name in names) for kind, keys in _key_sets().items()}
     # on a tie, what a file of that format usually is
-    order = ("deepspeed", "train", "fsdp", "launch") if file_format(path) == JSON else tuple(KINDS)
+    order = ("deepspeed", "model", "train", "fsdp", "launch") if file_format(path) == JSON else tuple(KINDS)
     best = max(order, key=lambda kind: scores[kind])
     if not scores[best]:
         what = (
@@ -315,7 +333,39 @@ def _explain_train(path: Path, how: str) -> tuple[list[str], str]:
     return [], "\n".join(lines)
 
 
-EXPLAINERS = {"launch": explain, "fsdp": _explain_fsdp, "deepspeed": _explain_deepspeed, "train": _explain_train}
+def _explain_model(path: Path, how: str) -> tuple[list[str], str]:
+    import transformers
+
+    try:
+        model_type = load_mapping(path, "model config").get("model_type")
+        known = transformers.CONFIG_MAPPING.keys()
+        if model_type not in known:
+            raise ConfigError(
+                f"model config {path}: model_type {model_type!r} is not one transformers knows (e.g. llama, gpt2, "
+                f"bert).{did_you_mean(str(model_type), known)}"
+            )
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as error:  # transformers' config classes raise their own validation errors, not ValueError
+        problem = (
+            str(error) if isinstance(error, ConfigError) else f"model config {path}: {' '.join(str(error).split())}"
+        )
+        return [problem], "\n".join([_status_line(path, [problem], "model", how), _item(problem)])
+    shape = {k: getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    lines = [
+        _status_line(path, [], "model", how),
+        f"{config.model_type}: " + ", ".join(f"{k} {v}" for k, v in shape.items()),
+    ]
+    lines.append("train sizes a model built from it to the tokenizer's vocabulary (estimate says when that differs)")
+    return [], "\n".join(lines)
+
+
+EXPLAINERS = {
+    "launch": explain,
+    "fsdp": _explain_fsdp,
+    "deepspeed": _explain_deepspeed,
+    "train": _explain_train,
+    "model": _explain_model,
+}
 
 
 def _kind(text: str) -> str:

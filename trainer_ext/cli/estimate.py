@@ -124,6 +124,8 @@ def run_estimate(argv: Sequence[str]) -> int:
     job = job_from_argv(train_argv, options.num_processes)
     breakdown = estimate(job.shape, job.setup)
     print(_model_line(job.shape))
+    for note in job.notes:
+        print(f"note: {note}")
     print(f"estimated in {time.perf_counter() - started:.1f}s (model on the meta device), per rank:")
     measured = None
     if options.measure:

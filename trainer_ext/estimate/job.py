@@ -8,6 +8,7 @@ vocabulary size from the tokenizer) under ``torch.device("meta")``: no weights a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -27,11 +28,13 @@ ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
 @dataclass(frozen=True)
 class Job:
-    """A job to estimate: its shape, setup and the validated arguments (strategy/precision flags left out)."""
+    """A job to estimate: its shape, setup and the validated arguments (strategy/precision flags left out), and
+    notes on what ``train`` changes of what was asked (a from-scratch config's vocabulary)."""
 
     shape: ModelShape
     setup: Setup
     args: Any
+    notes: tuple[str, ...] = ()
 
 
 def check_combinations(values: dict[str, Any], num_processes: int) -> None:
@@ -74,8 +77,33 @@ def parse_job_flags(argv: Sequence[str], num_processes: int) -> tuple[dict[str, 
     return values, TrainJobArguments(**built)
 
 
-def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
-    """The job's model on the meta device, and its sequence length; ConfigError on unreadable data or config."""
+def vocabulary_note(args: Any, tokenizer: Any) -> str | None:
+    """What ``train`` does to a from-scratch config file's ``vocab_size`` (sizes it to the tokenizer), when that
+    changes it; None otherwise (a preset names no vocabulary, a pretrained model keeps its own)."""
+    from ..api import model_config
+
+    if args.model_name_or_path or not args.model_config or not os.path.exists(os.path.expanduser(args.model_config)):
+        return None
+    try:
+        asked, used = getattr(model_config(args), "vocab_size", None), len(tokenizer)
+    except (OSError, ValueError):
+        return None  # an unreadable config: building the model says what is wrong with it
+    if asked is None or asked == used:
+        return None
+    source = (
+        f"the tokenizer {args.tokenizer_name!r}"
+        if args.tokenizer_name
+        else "the word-level tokenizer built from the training data"
+    )
+    return (
+        f"vocab_size {asked:,} of --model_config {args.model_config} replaced by {used:,}, the size of {source}: "
+        "train sizes a model from scratch to its tokenizer (--tokenizer_name chooses another)"
+    )
+
+
+def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
+    """The job's model on the meta device, its sequence length and notes (:func:`vocabulary_note`); ConfigError on
+    unreadable data or config."""
     import transformers
 
     from ..api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
@@ -84,6 +112,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
     text_column, label_column = resolve_columns(args, raw)
     labels = label_names(args, raw, label_column) if label_column else None
     tokenizer = build_tokenizer(args, raw["train"][text_column])
+    notes = [note] if (note := vocabulary_note(args, tokenizer)) else []
     lengths = None
     if labels:
         texts = sample_column(raw["train"], text_column)
@@ -103,7 +132,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int]:
             from ..lora import apply_lora
 
             model = apply_lora(args, model)
-    return model, sequence_length(args, lengths)
+    return model, sequence_length(args, lengths), notes
 
 
 def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
@@ -111,7 +140,7 @@ def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
     values, args = parse_job_flags(argv, num_processes)
-    model, seq_len = build_meta_model(args)
+    model, seq_len, notes = build_meta_model(args)
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -119,4 +148,4 @@ def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
         "optim": getattr(args.optim, "value", args.optim),
         "optim_args": args.optim_args,
     }
-    return Job(ModelShape.from_model(model), setup_from_values(filled, num_processes, seq_len), args)
+    return Job(ModelShape.from_model(model), setup_from_values(filled, num_processes, seq_len), args, tuple(notes))
