@@ -13,6 +13,13 @@ import sys
 
 import pytest
 
+from tests.helpers.slowness import SCALE, scaled
+
+# One CPU thread per process unless the caller chose (tests start several processes on 2 cores; torch's default of
+# every core with spinning OpenMP threads made a loaded machine 14x slower); set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # marker -> (the module its tests need, how to install it). They are skipped where it is not installed; under
@@ -31,9 +38,30 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name, raising=False)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """subprocess.run's ``timeout=`` in tests and helpers is a hang guard: scaled like the timeout markers."""
+    original = subprocess.run
+
+    def run(*args, timeout=None, **kwargs):
+        return original(*args, timeout=None if timeout is None else scaled(timeout), **kwargs)
+
+    run.__wrapped__ = original
+    subprocess.run = run
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"trainer_ext: time limits x{SCALE:.1f} (TRAINER_EXT_TIMEOUT_SCALE), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests run only where CUDA is present; a test marked with an extra runs only where it is installed."""
+    """Timeout markers scaled (hang guards, not speed checks); GPU tests run only where CUDA is present; a test
+    marked with an extra runs only where it is installed."""
     import torch
+
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            item.add_marker(pytest.mark.timeout(scaled(float(marker.args[0])), **marker.kwargs), append=False)
 
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (run on the lent GPU machine)")

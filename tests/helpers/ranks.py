@@ -10,6 +10,7 @@ from types import ModuleType
 
 from tests.helpers import forked_ranks
 from tests.helpers.paths import ROOT
+from tests.helpers.slowness import scaled
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -36,7 +37,7 @@ def run_ranks(job: ModuleType | str, nproc: int, *args: str, timeout: float = 30
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     if forked_ranks.usable(env):
-        proc = forked_ranks.run(module, nproc, args, env, timeout)
+        proc = forked_ranks.run(module, nproc, args, env, scaled(timeout))
         _check(proc, nproc, module)
         return proc
     cmd = [
@@ -50,7 +51,7 @@ def run_ranks(job: ModuleType | str, nproc: int, *args: str, timeout: float = 30
         module,
         *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)  # scaled by conftest
     _check(proc, nproc, module)
     return proc
 
