@@ -1,0 +1,56 @@
+"""DDP's ``find_unused_parameters`` for the built-in models: every parameter of every preset gets a gradient, so the
+built-in jobs need no search for unused ones (whose warning every rank would otherwise print)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.ranks import run_ranks
+from trainer_ext.api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
+from trainer_ext.arguments import PRESETS, TASKS, TrainJobArguments
+
+WARNING = "find_unused_parameters=True was specified in DDP constructor"
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_parameter_of_a_preset_gets_a_gradient(tmp_path: Path, task: str, preset: str) -> None:
+    torch.manual_seed(0)
+    args = TrainJobArguments(output_dir=str(tmp_path), task=task, model_config=preset, max_seq_length=32)
+    raw = load_raw_datasets(args)
+    text_column, label_column = resolve_columns(args, raw)
+    labels = label_names(args, raw, label_column) if label_column else None
+    tokenizer = build_tokenizer(args, raw["train"][text_column])
+    model = build_model(args, tokenizer, labels)
+    rows = raw["train"].select(range(8))
+    texts = list(rows[text_column])
+    batch = dict(tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt"))
+    if labels:
+        batch["labels"] = torch.tensor(
+            [labels.index(v) if isinstance(v, str) else int(v) for v in list(rows[label_column])]
+        )
+    else:
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model(**batch).loss.backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert unused == [], f"{preset} for {task}: no gradient for {unused}"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs ddp_find_unused_parameters=False among the built-in presets' AUTO_DEFAULTS in trainer_ext/arguments.py "
+    "(owned elsewhere); every preset parameter gets a gradient (test above)",
+)
+def test_the_built_in_job_on_two_ranks_prints_no_find_unused_parameters_warning(tmp_path: Path) -> None:
+    done = run_ranks("trainer_ext", 2, "train", "--max_steps", "3", "--output_dir", str(tmp_path / "out"))
+    assert WARNING not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.xfail(strict=True, reason="as above: the presets' auto default lives in trainer_ext/arguments.py")
+@pytest.mark.parametrize("task", TASKS)
+def test_the_built_in_models_train_without_searching_for_unused_parameters(tmp_path: Path, task: str) -> None:
+    assert TrainJobArguments(output_dir=str(tmp_path), task=task).ddp_find_unused_parameters is False
