@@ -291,13 +291,18 @@ def _item(problem: str) -> str:
     return "  - " + problem.replace("\n", "\n    ")
 
 
+def _refused(path: Path, kind: str, how: str, problem: str) -> tuple[list[str], str]:
+    """The report of a file its reader refused: the one problem the reader raises."""
+    return [problem], "\n".join([_status_line(path, [problem], kind, how), _item(problem)])
+
+
 def _explain_fsdp(path: Path, how: str) -> tuple[list[str], str]:
     from ..distributed.fsdp_config import read_fsdp_settings
 
     try:
         settings, warnings = read_fsdp_settings(True, str(path))
     except ConfigError as error:
-        return [str(error)], "\n".join([_status_line(path, [error], "fsdp", how), _item(str(error))])
+        return _refused(path, "fsdp", how, str(error))
     lines = [_status_line(path, [], "fsdp", how)]
     lines += ["notes:"] + [f"  - {w}" for w in warnings] if warnings else []
     lines.append("FSDP2 settings as train applies them (fully_shard):")
@@ -311,7 +316,7 @@ def _explain_deepspeed(path: Path, how: str) -> tuple[list[str], str]:
     try:
         config = load_deepspeed_config(str(path))
     except ConfigError as error:
-        return [str(error)], "\n".join([_status_line(path, [error], "deepspeed", how), _item(str(error))])
+        return _refused(path, "deepspeed", how, str(error))
     lines = [_status_line(path, [], "deepspeed", how), f"ZeRO stage {zero_stage(config)}"]
     autos = list(auto_keys(config))
     if autos:
@@ -327,7 +332,7 @@ def _explain_train(path: Path, how: str) -> tuple[list[str], str]:
         keys = load_config_file(str(path))
         values, _ = parse_job_flags(["--config", str(path)], 1)
     except ConfigError as error:
-        return [str(error)], "\n".join([_status_line(path, [error], "train", how), _item(str(error))])
+        return _refused(path, "train", how, str(error))
     lines = [_status_line(path, [], "train", how), "values as train reads them (flags on the command line win):"]
     lines += [f"  {k:<30} {values.get(k, v)!r}" for k, v in keys.items()]
     return [], "\n".join(lines)
@@ -349,7 +354,7 @@ def _explain_model(path: Path, how: str) -> tuple[list[str], str]:
         problem = (
             str(error) if isinstance(error, ConfigError) else f"model config {path}: {' '.join(str(error).split())}"
         )
-        return [problem], "\n".join([_status_line(path, [problem], "model", how), _item(problem)])
+        return _refused(path, "model", how, problem)
     shape = {k: getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
     lines = [
         _status_line(path, [], "model", how),
