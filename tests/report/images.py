@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import struct
@@ -111,16 +112,23 @@ def figure_boxes(image) -> list[tuple[int, int, int, int]]:
     return boxes
 
 
-def shown_like(image, box: tuple[int, int, int, int], png: Path) -> float:
-    """How well the screenshot's ``box`` matches ``png`` as drawn at another scale: the correlation of their
-    darkness averaged over a 15 × 30 grid (the same picture: above 0.95; another figure of the report: below 0.85)."""
+def _grid(picture):
+    """Darkness averaged over a 15 × 30 grid of cells."""
     import numpy as np
 
-    def grid(picture):
-        dark = 1 - picture.mean(axis=2)
-        return np.array(
-            [[cell.mean() for cell in np.array_split(band, 30, axis=1)] for band in np.array_split(dark, 15)]
-        )
+    dark = 1 - picture.mean(axis=2)
+    return np.array([[cell.mean() for cell in np.array_split(band, 30, axis=1)] for band in np.array_split(dark, 15)])
+
+
+@functools.lru_cache(maxsize=32)
+def _png_grid(path: Path):
+    return _grid(pixels(path))
+
+
+def shown_like(image, box: tuple[int, int, int, int], png: Path) -> float:
+    """How well the screenshot's ``box`` matches ``png`` drawn at another scale: the correlation of their darkness
+    over a coarse grid (the same picture: above 0.95; another figure of the report: below 0.85)."""
+    import numpy as np
 
     top, bottom, left, right = box
-    return float(np.corrcoef(grid(image[top:bottom, left:right]).ravel(), grid(pixels(png)).ravel())[0, 1])
+    return float(np.corrcoef(_grid(image[top:bottom, left:right]).ravel(), _png_grid(png).ravel())[0, 1])
