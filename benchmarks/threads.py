@@ -1,10 +1,12 @@
 """CPU threads per process: the default job under each thread setting, on a quiet and on a loaded machine.
 
-    python -m benchmarks.threads [--loads 0,4] [--nprocs 1,2] [--repeats 2] [--max_steps 30] [--json FILE]
+    python -m benchmarks.threads [--loads 0,4] [--nprocs 1,2] [--settings all,all-passive,one,default]
+                                 [--repeats 2] [--max_steps 30] [--json FILE]
 
 Each run is a fresh ``trainer-ext train`` (``trainer-ext launch --cpu --num_processes N train`` for N > 1) with the
 thread settings given explicitly in its environment, so the figures do not depend on the default policy; the
-``policy`` row sets nothing and shows what the default chooses. A load of L is L busy-looping processes started
+``default`` row sets nothing and shows what the code under test chooses (run it with ``PYTHONPATH`` on another
+checkout's copy of the package to compare two versions of the code). A load of L is L busy-looping processes started
 for the run (the machine's own load average is recorded beside it). The figure is the Trainer's ``train_runtime``
 (training only, start-up excluded) and the wall time of the whole command, median of ``--repeats``.
 """
@@ -26,18 +28,17 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 _BUSY = "while True:\n    pass\n"
 
 
-def settings(nproc: int) -> dict[str, dict[str, str] | None]:
-    """Label -> environment for each thread setting compared (None: nothing set, the default policy decides)."""
+def settings() -> dict[str, tuple[str, dict[str, str] | None]]:
+    """Name -> (label, environment) of each thread setting compared (None: nothing set, the default decides)."""
     every = str(CORES)
     return {
-        f"{every} threads/process": {"OMP_NUM_THREADS": every, "TRAINER_EXT_NUM_THREADS": every},
-        f"{every} threads/process, passive wait": {
-            "OMP_NUM_THREADS": every,
-            "TRAINER_EXT_NUM_THREADS": every,
-            "OMP_WAIT_POLICY": "PASSIVE",
-        },
-        "1 thread/process": {"OMP_NUM_THREADS": "1", "TRAINER_EXT_NUM_THREADS": "1"},
-        "policy": None,
+        "all": (f"{every} threads/process, OpenMP's default wait", {"OMP_NUM_THREADS": every, "OMP_WAIT_POLICY": ""}),
+        "all-passive": (
+            f"{every} threads/process, passive wait",
+            {"OMP_NUM_THREADS": every, "OMP_WAIT_POLICY": "PASSIVE"},
+        ),
+        "one": ("1 thread/process, OpenMP's default wait", {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": ""}),
+        "default": ("nothing set (the default of the code under test)", None),
     }
 
 
@@ -50,9 +51,8 @@ def _command(nproc: int, out: str, max_steps: int) -> list[str]:
 
 def run_once(nproc: int, env_extra: dict[str, str] | None, max_steps: int) -> dict[str, float]:
     """One job: its training seconds (train_runtime) and the command's wall seconds."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env.pop("TRAINER_EXT_NUM_THREADS", None)
-    env.update(env_extra or {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "TRAINER_EXT_THREADS"))}
+    env.update({k: v for k, v in (env_extra or {}).items() if v})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
         started = time.perf_counter()
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--loads", default="0,4", help="busy processes added, comma-separated")
     parser.add_argument("--nprocs", default="1,2", help="training processes, comma-separated")
+    parser.add_argument("--settings", default=",".join(settings()), help="which settings, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max_steps", type=int, default=30)
     parser.add_argument("--json", default=None, help="write the rows here")
@@ -95,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{CORES} cores; training seconds (wall seconds), median of {args.repeats}", flush=True)
     for load in [int(x) for x in args.loads.split(",")]:
         for nproc in [int(x) for x in args.nprocs.split(",")]:
-            for label, env in settings(nproc).items():
+            for name in args.settings.split(","):
+                label, env = settings()[name]
                 with Load(load):
                     before = os.getloadavg()[0]
                     runs = [run_once(nproc, env, args.max_steps) for _ in range(args.repeats)]
                 row = {
                     "added_load": load,
                     "nproc": nproc,
-                    "setting": label,
+                    "setting": name,
+                    "label": label,
                     "loadavg_at_start": round(before, 2),
                     "train_s": round(statistics.median(r["train_s"] for r in runs), 2),
                     "wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),

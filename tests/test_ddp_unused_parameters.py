@@ -40,17 +40,11 @@ def test_every_parameter_of_a_preset_gets_a_gradient(tmp_path: Path, task: str, 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs ddp_find_unused_parameters=False among the built-in presets' AUTO_DEFAULTS in trainer_ext/arguments.py "
-    "(owned elsewhere); every preset parameter gets a gradient (test above)",
-)
 def test_the_built_in_job_on_two_ranks_prints_no_find_unused_parameters_warning(tmp_path: Path) -> None:
     done = run_ranks("trainer_ext", 2, "train", "--max_steps", "3", "--output_dir", str(tmp_path / "out"))
     assert WARNING not in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="as above: the presets' auto default lives in trainer_ext/arguments.py")
 @pytest.mark.parametrize("task", TASKS)
 def test_the_built_in_models_train_without_searching_for_unused_parameters(tmp_path: Path, task: str) -> None:
     assert TrainJobArguments(output_dir=str(tmp_path), task=task).ddp_find_unused_parameters is False

@@ -111,7 +111,7 @@ def test_help_groups_the_job_flags_first_and_states_one_default_per_flag() -> No
     assert "  --no_report_plots" not in everything and "--report_plots [BOOL], --no_report_plots" in everything
 
 
-def _run_cli(*argv: str) -> subprocess.CompletedProcess:
+def _run_cli(*argv: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     """``trainer-ext`` in a fresh interpreter that reports whether torch or transformers got imported."""
     code = textwrap.dedent(
         f"""
@@ -123,7 +123,7 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess:
         sys.exit(code)
         """
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 @pytest.mark.timeout(600)
@@ -135,11 +135,14 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess:
         (["train", "--max_stepz", "3"], 2, "error: unknown flag --max_stepz. Did you mean --max_steps or"),
         (["train", "--lr_scheduler_type", "cosin"], 2, "Did you mean 'cosine'?"),
         (["train", "--max_steps", "ten"], 2, "error: --max_steps takes a whole number, got 'ten'"),
+        (["train", "--train_file", "missing.jsonl"], 2, "error: --train_file 'missing.jsonl': no such file."),
+        (["train", "--model_config", "tiny-bret"], 2, "Did you mean 'tiny-bert'"),
+        (["train", "--task", "regression"], 2, "error: unknown --task 'regression'"),
         (["--help"], 0, "usage: trainer-ext"),
     ],
 )
-def test_help_and_bad_flags_answer_without_importing_torch(argv, code, words) -> None:
-    proc = _run_cli(*argv)
+def test_help_and_bad_flags_answer_without_importing_torch(argv, code, words, tmp_path) -> None:
+    proc = _run_cli(*argv, cwd=str(tmp_path))
     assert proc.returncode == code, proc.stderr
     assert words in proc.stdout + proc.stderr
     assert proc.stdout.endswith("HEAVY:\n"), proc.stdout[-200:]
@@ -150,7 +153,18 @@ def test_help_and_bad_flags_answer_without_importing_torch(argv, code, words) ->
 def test_a_config_files_unknown_key_is_refused_before_torch(tmp_path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("max_steps: 3\nlearning_rat: 0.1\n")
-    proc = _run_cli("train", "--config", str(config))
+    proc = _run_cli("train", "--config", str(config), cwd=str(tmp_path))
     assert proc.returncode == 2
     assert f"unknown key 'learning_rat' in config file {str(config)!r}. Did you mean 'learning_rate'?" in proc.stderr
     assert proc.stdout.endswith("HEAVY:\n")
+    assert list(tmp_path.iterdir()) == [config], "nothing written"
+
+
+@pytest.mark.timeout(600)
+def test_a_config_files_value_of_another_shape_is_left_to_the_full_parse(tmp_path) -> None:
+    """The early check refuses only what it is sure of: a number written as text goes on to the real parser."""
+    config = tmp_path / "job.yaml"
+    config.write_text("max_steps: 1\nmax_train_samples: '40'\nvalidation_split_percentage: 500\n")
+    proc = _run_cli("train", "--config", str(config), "--output_dir", str(tmp_path / "out"), cwd=str(tmp_path))
+    assert proc.returncode == 2
+    assert "validation_split_percentage must be in [0, 100)" in proc.stderr

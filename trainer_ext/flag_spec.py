@@ -24,7 +24,14 @@ from .errors import ConfigError, closest
 SHIPPED = Path(__file__).parent / "data" / "train_flags.json"
 PACKAGE = Path(__file__).resolve().parent
 # the modules whose dataclass fields are the flags (their text is hashed into the spec's key)
-SOURCES = ("arguments.py", "training_args.py", "lora_arguments.py", "metrics_arguments.py", "flag_spec.py")
+SOURCES = (
+    "arguments.py",
+    "job_fields.py",
+    "training_args.py",
+    "lora_arguments.py",
+    "metrics_arguments.py",
+    "flag_spec.py",
+)
 CACHE_DIR_ENV = "TRAINER_EXT_CACHE_DIR"
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 BOOL_WORDS = {"yes", "true", "t", "y", "1", "no", "false", "f", "n", "0"}
@@ -159,16 +166,19 @@ def unknown_flag_error(given: str, valid: Sequence[str], command: str = "train")
     return ConfigError(f"unknown flag {given}.{hint} (all flags: trainer-ext {command} --help)")
 
 
-def _check_value(flag: Flag, option: str, value: str) -> None:
-    """ConfigError unless ``value`` is what ``flag`` takes (the checks argparse would make, worded for a person)."""
+def _check_value(flag: Flag, option: str, value: str) -> Any:
+    """``value`` as ``flag`` takes it; ConfigError if it cannot (argparse's checks, worded for a person)."""
+    typed: Any = value
     if flag.kind in ("int", "float"):
         try:
-            (int if flag.kind == "int" else float)(value)
+            typed = (int if flag.kind == "int" else float)(value)
         except ValueError:
             number = "a whole number" if flag.kind == "int" else "a number"
             raise ConfigError(f"{option} takes {number}, got {value!r}") from None
-    elif flag.kind == "bool" and value.lower() not in BOOL_WORDS:
-        raise ConfigError(f"{option} takes true or false, got {value!r}")
+    elif flag.kind == "bool":
+        if value.lower() not in BOOL_WORDS:
+            raise ConfigError(f"{option} takes true or false, got {value!r}")
+        typed = value.lower() in ("yes", "true", "t", "y", "1")
     if flag.choices and value not in flag.choices:
         near = closest(value, flag.choices)
         hint = " Did you mean " + " or ".join(repr(m) for m in near) + "?" if near else ""
@@ -178,6 +188,7 @@ def _check_value(flag: Flag, option: str, value: str) -> None:
             else f"see trainer-ext train --help for the {len(flag.choices)}"
         )
         raise ConfigError(f"{option} {value!r} is not one of {shown}.{hint}")
+    return typed
 
 
 def _is_value(word: str) -> bool:
@@ -193,16 +204,17 @@ def _is_value(word: str) -> bool:
 
 def check_argv(
     argv: Sequence[str], flags: Sequence[Flag], command: str = "train", more: Sequence[str] = ()
-) -> list[str]:
-    """Check every flag of ``argv`` against ``flags`` and return the ``--config`` files named; ConfigError on the
-    first unknown flag, stray word, missing or ill-typed value. ``more``: option strings another command adds."""
+) -> dict[str, Any]:
+    """Check every flag of ``argv`` against ``flags`` and return the values given by destination (``config``: the
+    files, in order); ConfigError on the first unknown flag, stray word, missing or ill-typed value. ``more``: option
+    strings another command adds (not checked, not returned)."""
     by_option: dict[str, Flag | None] = {o: None for o in more}
     for flag in flags:
         for option in flag.options:
             by_option[option] = flag
         for option in flag.negative:
             by_option[option] = Flag(flag.dest, (option,), "switch", None, None, False, flag.help)
-    configs: list[str] = []
+    given: dict[str, Any] = {}
     words = list(argv)
     i = 0
     while i < len(words):
@@ -222,6 +234,7 @@ def check_argv(
         if flag.kind == "switch":
             if inline is not None:
                 raise ConfigError(f"{option} takes no value, got {inline!r}")
+            given[flag.dest] = False  # --no_x
             continue
         if inline is None:
             while i < len(words) and _is_value(words[i]) and (flag.nargs in ("+", "*") or not values):
@@ -229,11 +242,14 @@ def check_argv(
                 i += 1
         if not values and flag.nargs not in ("?", "*"):
             raise ConfigError(f"{option} needs a value")
-        for value in values:
-            _check_value(flag, option, value)
+        typed = [_check_value(flag, option, value) for value in values]
         if flag.dest == "config":
-            configs += values
-    return configs
+            given.setdefault("config", []).extend(typed)
+        elif flag.nargs in ("+", "*"):
+            given[flag.dest] = typed
+        else:
+            given[flag.dest] = typed[0] if typed else True  # a bare boolean flag means true
+    return given
 
 
 def write_shipped(parser: Any, path: Path = SHIPPED) -> Path:

@@ -59,16 +59,29 @@ def _build_train_parser():
 
 
 def check_train_flags(argv: Sequence[str], command: str = "train", more: Sequence[str] = ()) -> None:
-    """Flags, their values and the ``--config`` files' keys checked from the flag spec, before torch is imported
-    (``more``: option strings a ``command`` adds to train's); ConfigError on the first problem."""
+    """Flags, their values, the ``--config`` files' keys, and the model and data fields (paths, presets, task)
+    checked before torch is imported (``more``: option strings a ``command`` adds to train's); ConfigError on the
+    first problem. What needs the real types or the model is left to the full parse."""
     from ..config_files import load_mapping
     from ..flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
+    from ..job_fields import DataArguments, ModelArguments
     from ..values import normalize_keys
 
     flags = load_spec(_build_train_parser)
-    for path in check_argv(argv, flags, command, more):
-        values = load_mapping(path, "--config", suffixes=CONFIG_SUFFIXES)
-        normalize_keys(values, [flag.dest for flag in flags], f"config file {path!r}")
+    given = check_argv(argv, flags, command, more)
+    values: dict = {}
+    for path in given.pop("config", []):
+        loaded = load_mapping(path, "--config", suffixes=CONFIG_SUFFIXES)
+        values.update(normalize_keys(loaded, [flag.dest for flag in flags], f"config file {path!r}"))
+    values.update(given)
+    for fields, check in ((ModelArguments, "validate_model"), (DataArguments, "validate_data")):
+        names = fields.__dataclass_fields__
+        try:
+            getattr(fields(**{k: v for k, v in values.items() if k in names}), check)()
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError):
+            pass  # a value of another shape (a config file's string for a number): the full parse words it
 
 
 def run_train(argv: Sequence[str]) -> int:
