@@ -45,7 +45,7 @@ def drawn(monkeypatch) -> dict:
 def one_log(step: int = 5, loss: float = 2.0, evals: int = 1) -> list[dict]:
     """A run's history: one training log line at ``step`` (with throughput and tokens), ``evals`` evaluations."""
     line = {"step": step, "loss": loss, "learning_rate": 1e-3, "grad_norm": 0.8, "samples_per_second": 90.0}
-    history = [{**line, "tokens_per_second": 9000.0, "tokens_seen": 5000}]
+    history = [{**line, "tokens_per_second": 39720.3, "tokens_seen": 5000}]
     for k in range(evals):
         at = step * (k + 1) // evals
         history.append(
@@ -88,6 +88,8 @@ def test_a_one_log_run_draws_each_series_as_a_visible_point(tmp_path: Path, draw
             x, y = line.get_xdata()[0], line.get_ydata()[0]
             assert colour_at(out / f"{name}.png", ax, x, y, COLOURS[0]) >= 20, (name, line.get_label(), x, y)
     assert len(drawn["throughput"].axes) == 2  # samples/s and tokens/s; no MFU panel (none logged)
+    throughput = dict(summary_rows(load_run(tmp_path / "run")))["throughput"]
+    assert throughput == "median 90 samples/s, 39,720 tokens/s (MFU: no known peak for this device)"
 
 
 def test_steps_are_counted_in_whole_numbers(tmp_path: Path, drawn: dict) -> None:

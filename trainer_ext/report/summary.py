@@ -202,7 +202,11 @@ def throughput_text(run: RunData) -> str:
         _, values = run.series(key)
         if values:
             median = statistics.median(values)
-            parts.append(f"{median * 100:.1f}% MFU" if key == "mfu" else f"{number(round(median, 1))} {unit}")
+            parts.append(
+                f"{median * 100:.1f}% MFU"
+                if key == "mfu"
+                else f"{number(round(median) if median >= 100 else round(median, 1))} {unit}"
+            )
     if not parts:
         return "not logged: " + _no_throughput(run)
     return "median " + ", ".join(parts) + ("" if run.series("mfu")[1] else " (MFU: no known peak for this device)")
