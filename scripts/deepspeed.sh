@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSpeed ZeRO on the GPUs of this machine: the same training command as scripts/cpu.sh.
 #   scripts/deepspeed.sh --config configs/examples/causal_lm.yaml --bf16
-# Needs the extra: DS_BUILD_OPS=0 pip install 'trainer_ext[deepspeed]'.
+# Needs the extra (from the checkout): DS_BUILD_OPS=0 pip install -e ".[deepspeed]".
 # Set: DS_CONFIG (default configs/deepspeed/zero2.json), GPUS (default all), NPROC (default one per
 # GPU), DEVICE=cpu for CPU processes (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu), DRY_RUN=1 to
 # print the settings and the command.

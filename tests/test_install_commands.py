@@ -96,6 +96,9 @@ def all_commands() -> list[tuple[str, list[str]]]:
     for path in package_files():
         for text in python_strings(path.read_text(encoding="utf-8")):
             found += [(str(path.relative_to(ROOT)), words) for words in pip_commands(text)]
+    for path in sorted((ROOT / "scripts").glob("*.sh")):  # their comments tell how to install what they need
+        for line in path.read_text(encoding="utf-8").splitlines():
+            found += [(str(path.relative_to(ROOT)), words) for words in pip_commands(line.lstrip("# "))]
     return found
 
 
