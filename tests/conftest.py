@@ -38,15 +38,21 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name, raising=False)
 
 
+def _scaling(method):
+    def scaled_method(self, *args, timeout=None, **kwargs):
+        return method(self, *args, timeout=None if timeout is None else scaled(timeout), **kwargs)
+
+    scaled_method.__wrapped__ = method
+    return scaled_method
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """subprocess.run's ``timeout=`` in tests and helpers is a hang guard: scaled like the timeout markers."""
-    original = subprocess.run
-
-    def run(*args, timeout=None, **kwargs):
-        return original(*args, timeout=None if timeout is None else scaled(timeout), **kwargs)
-
-    run.__wrapped__ = original
-    subprocess.run = run
+    """A subprocess's ``timeout=`` in tests and helpers (``run``, ``communicate``, ``wait``) is a hang guard: scaled
+    like the timeout markers (``subprocess.run`` waits through ``communicate``)."""
+    for name in ("communicate", "wait"):
+        method = getattr(subprocess.Popen, name)
+        if not hasattr(method, "__wrapped__"):
+            setattr(subprocess.Popen, name, _scaling(method))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -60,8 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     for item in items:
         marker = item.get_closest_marker("timeout")
-        if marker is not None and marker.args:
-            item.add_marker(pytest.mark.timeout(scaled(float(marker.args[0])), **marker.kwargs), append=False)
+        if marker is not None and (marker.args or "timeout" in marker.kwargs):
+            kwargs = dict(marker.kwargs)
+            seconds = float(marker.args[0] if marker.args else kwargs.pop("timeout"))
+            item.add_marker(pytest.mark.timeout(scaled(seconds), **kwargs), append=False)
 
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (run on the lent GPU machine)")

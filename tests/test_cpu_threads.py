@@ -16,23 +16,44 @@ from trainer_ext.cli.launch import prepare
 CORES = cpu_threads.usable_cores()
 
 
-@pytest.mark.parametrize("local", [1, 2, 3, 64])
-def test_the_cores_are_shared_among_the_local_processes(local: int) -> None:
-    policy = cpu_threads.choose(local, env={})
-    assert policy.threads == max(CORES // local, 1)
+@pytest.mark.parametrize(
+    "cores, busy, local, threads",
+    [
+        (2, 0.0, 1, 2),  # an idle machine: every core
+        (2, 0.4, 1, 2),
+        (2, 1.0, 1, 1),  # another job holds one core: the other one
+        (2, 4.0, 1, 1),  # a loaded machine: one thread, never none
+        (2, 0.0, 2, 1),
+        (2, 0.0, 3, 1),
+        (16, 0.0, 2, 8),
+        (16, 3.2, 2, 6),
+        (16, 40.0, 4, 1),
+    ],
+)
+def test_the_idle_cores_are_shared_among_the_local_processes(cores, busy, local, threads, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
+    policy = cpu_threads.choose(local, env={}, busy=busy)
+    assert policy.threads == threads
     assert policy.wait_policy == "PASSIVE"
-    assert f"{CORES} usable cores / {local} processes" in policy.source
+    assert f"{cores} usable cores, {busy:.1f} busy, / {local} processes" in policy.source
+
+
+def test_the_load_counts_in_proportion_to_the_usable_cores(monkeypatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert cpu_threads.busy_cores(4) == 1.0
 
 
 def test_the_users_settings_win_and_nonsense_is_ignored() -> None:
     assert cpu_threads.choose(4, env={"OMP_NUM_THREADS": "3"}).threads == 3
     assert cpu_threads.choose(1, env={"OMP_NUM_THREADS": "3"}).source == "OMP_NUM_THREADS set"
     assert cpu_threads.choose(1, env={"OMP_WAIT_POLICY": "ACTIVE"}).wait_policy == "ACTIVE"
-    assert cpu_threads.choose(1, env={"OMP_NUM_THREADS": "zero"}).threads == CORES
-    assert cpu_threads.choose(1, env={"OMP_NUM_THREADS": "-2"}).threads == CORES
+    assert cpu_threads.choose(1, env={"OMP_NUM_THREADS": "zero"}, busy=0).threads == CORES
+    assert cpu_threads.choose(1, env={"OMP_NUM_THREADS": "-2"}, busy=0).threads == CORES
 
 
-def test_applying_writes_only_what_the_user_left_unset() -> None:
+def test_applying_writes_only_what_the_user_left_unset(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_threads, "busy_cores", lambda cores: 0.0)
     env: dict[str, str] = {}
     cpu_threads.apply_to_environment(2, env=env)
     assert env == {"OMP_NUM_THREADS": str(max(CORES // 2, 1)), "TRAINER_EXT_THREADS_SOURCE": "policy",
@@ -51,6 +72,7 @@ def test_local_processes_come_from_torchrun() -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_launch_gives_each_process_its_share(nproc: int, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cpu_threads, "busy_cores", lambda cores: 0.0)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -94,5 +116,8 @@ def test_train_runs_with_the_policy_or_the_users_value(given: str | None, tmp_pa
     line = next(x for x in proc.stdout.splitlines() if "CPU threads / process" in x)
     if given:
         assert line.endswith("= 1, OpenMP wait policy PASSIVE (OMP_NUM_THREADS set)")
-    else:
-        assert f"= {CORES}, OpenMP wait policy PASSIVE (trainer_ext's default" in line
+    else:  # as many as the idle cores allow (the load average decides: 1 to all of them)
+        threads = int(line.split("= ")[1].split(",")[0])
+        assert 1 <= threads <= CORES
+        assert line.endswith(", OpenMP wait policy PASSIVE (trainer_ext's default: the idle usable cores / training "
+                             "processes on this machine)")  # fmt: skip

@@ -40,8 +40,8 @@ def train(
     the merged model in ``output_dir/merged``, merged in place at the very end).
     """
     args = _as_job_arguments(args)
-    if cpu_threads.NUM_THREADS not in os.environ:  # the CLI set it before torch was imported; here torch is
-        cpu_threads.apply_to_torch(cpu_threads.local_processes())
+    if os.environ.get(cpu_threads.SOURCE) == "policy" or cpu_threads.NUM_THREADS not in os.environ:
+        cpu_threads.apply_to_torch(cpu_threads.local_processes())  # torch may have been imported before it was set
     fresh = not os.path.exists(args.output_dir)
     try:
         trainer, tokenized, resume = _set_up(args, callbacks)

@@ -1,11 +1,14 @@
-"""CPU threads per process: the cores this process may use, shared among the training processes of its machine.
+"""CPU threads per process: the cores this process may use and nobody else is using, shared among the training
+processes of its machine.
 
 torch's default (every physical core per process, OpenMP threads that spin while they wait) is ruinous where the
-cores are shared: several processes on one machine, or a machine other jobs also use. The policy, applied by
-``trainer-ext train`` and ``trainer-ext launch`` before torch is imported (and by ``trainer_ext.train`` on torch's
-own setting): ``cores // local processes`` intra-op threads (at least 1), and ``OMP_WAIT_POLICY=PASSIVE`` so that an
-idle thread sleeps instead of spinning. ``OMP_NUM_THREADS`` (or ``--num_cpu_threads_per_process`` on ``launch``) and
-``OMP_WAIT_POLICY`` set by the user win. Leaf module: imports nothing heavy, so the CLI runs it first.
+cores are shared: several processes on one machine, or a machine other jobs also use (benchmarks/threads.py). The
+policy, applied by ``trainer-ext train`` and ``trainer-ext launch`` before torch is imported (and by
+``trainer_ext.train`` on torch's own setting): the usable cores less the load already on them (the 1-minute load
+average, in proportion to the cores this process may use), divided among the local training processes, at least 1
+and at most ``cores // local processes``; and ``OMP_WAIT_POLICY=PASSIVE``, so that an idle thread sleeps instead of
+spinning. ``OMP_NUM_THREADS`` (or ``--num_cpu_threads_per_process`` on ``launch``) and ``OMP_WAIT_POLICY`` set by
+the user win. Leaf module: imports nothing heavy, so the CLI runs it first.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ WAIT_POLICY = "OMP_WAIT_POLICY"
 # set by our launcher and CLI beside OMP_NUM_THREADS: where the value came from (a key of SOURCES)
 SOURCE = "TRAINER_EXT_THREADS_SOURCE"
 SOURCES = {
-    "policy": "trainer_ext's default: usable cores / training processes on this machine",
+    "policy": "trainer_ext's default: the idle usable cores / training processes on this machine",
     "flag": "trainer-ext launch --num_cpu_threads_per_process",
 }
 DEFAULT_WAIT_POLICY = "PASSIVE"
@@ -60,16 +63,30 @@ def _positive_int(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
-def choose(local_processes: int = 1, env: MutableMapping[str, str] | None = None) -> ThreadPolicy:
-    """The policy for one of ``local_processes`` training processes on this machine (``env``: os.environ)."""
+def busy_cores(cores: int) -> float:
+    """The load already on ``cores`` of this machine: the 1-minute load average, in proportion to them."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: count the cores as idle
+        return 0.0
+    return load * cores / max(os.cpu_count() or cores, cores)
+
+
+def choose(
+    local_processes: int = 1, env: MutableMapping[str, str] | None = None, busy: float | None = None
+) -> ThreadPolicy:
+    """The policy for one of ``local_processes`` training processes on this machine (``env``: os.environ; ``busy``:
+    the cores other work keeps busy, measured when None)."""
     env = os.environ if env is None else env
     wait = env.get(WAIT_POLICY) or DEFAULT_WAIT_POLICY
     given = _positive_int(env.get(NUM_THREADS))
     if given is not None:
         return ThreadPolicy(given, wait, SOURCES.get(env.get(SOURCE, ""), f"{NUM_THREADS} set"))
     cores, local = usable_cores(), max(local_processes, 1)
+    busy = busy_cores(cores) if busy is None else busy
+    threads = max(1, min(cores // local, round(max(cores - busy, 0.0) / local)))
     return ThreadPolicy(
-        max(cores // local, 1), wait, f"{cores} usable cores / {local} processes; set {NUM_THREADS} to change"
+        threads, wait, f"{cores} usable cores, {busy:.1f} busy, / {local} processes; set {NUM_THREADS} to change"
     )
 
 

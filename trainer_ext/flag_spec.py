@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -191,24 +192,19 @@ def _check_value(flag: Flag, option: str, value: str) -> Any:
     return typed
 
 
+# what argparse reads as a negative number, hence a value, when a word starts with "-"
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
 def _is_value(word: str) -> bool:
-    """A word that is a value, not a flag (negative numbers are values)."""
-    if not word.startswith("-") or word == "-":
-        return True
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
+    """A word that is a value, not a flag: as argparse tells them apart."""
+    return not word.startswith("-") or word == "-" or bool(_NEGATIVE_NUMBER.match(word))
 
 
-def check_argv(
-    argv: Sequence[str], flags: Sequence[Flag], command: str = "train", more: Sequence[str] = ()
-) -> dict[str, Any]:
+def check_argv(argv: Sequence[str], flags: Sequence[Flag], command: str = "train") -> dict[str, Any]:
     """Check every flag of ``argv`` against ``flags`` and return the values given by destination (``config``: the
-    files, in order); ConfigError on the first unknown flag, stray word, missing or ill-typed value. ``more``: option
-    strings another command adds (not checked, not returned)."""
-    by_option: dict[str, Flag | None] = {o: None for o in more}
+    files, in order); ConfigError on the first unknown flag, stray word, missing or ill-typed value."""
+    by_option: dict[str, Flag] = {}
     for flag in flags:
         for option in flag.options:
             by_option[option] = flag
@@ -227,10 +223,6 @@ def check_argv(
             raise unknown_flag_error(option, list(by_option), command)
         flag = by_option[option]
         values: list[str] = [inline] if inline is not None else []
-        if flag is None:  # another command's own option: its parser checks it; skip its value if it has one
-            if inline is None and i < len(words) and _is_value(words[i]):
-                i += 1
-            continue
         if flag.kind == "switch":
             if inline is not None:
                 raise ConfigError(f"{option} takes no value, got {inline!r}")

@@ -107,3 +107,16 @@ def test_a_yaml_error_is_shown_with_its_line_and_caret(tmp_path: Path, capsys) -
     assert main(["config", "validate", "--kind", "launch", str(bad)]) == 2  # listed as a problem, caret kept
     out = capsys.readouterr().out
     assert "\n  - launch config" in out and "\n          use_cpu: true\n                 ^" in out, out
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["bf16: true\ngradient_accumulation_steps: 2\n", "activation_checkpointing: true\n"],
+    ids=["ds-keys", "fsdp"],
+)
+def test_a_yaml_file_whose_keys_fit_several_kinds_is_a_train_config(text: str, tmp_path: Path, capsys) -> None:
+    """DeepSpeed reads JSON only, and a tie between train and FSDP goes to train."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    assert main(["config", "validate", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"{path}: OK as a train config")

@@ -262,8 +262,12 @@ def detect_kind(path: Path) -> str:
     data = load_mapping(path, "config file")
     names = [str(k).replace("-", "_") for k in data]
     scores = {kind: sum(_belongs(name, kind, keys) for name in names) for kind, keys in _key_sets().items()}
-    # on a tie, what a file of that format usually is
-    order = ("deepspeed", "model", "train", "fsdp", "launch") if file_format(path) == JSON else tuple(KINDS)
+    # on a tie, what a file of that format usually is; DeepSpeed reads JSON only, so a YAML file is never one
+    order = (
+        ("deepspeed", "model", "train", "fsdp", "launch")
+        if file_format(path) == JSON
+        else ("launch", "train", "fsdp", "model")
+    )
     best = max(order, key=lambda kind: scores[kind])
     if not scores[best]:
         what = (

@@ -58,21 +58,22 @@ def _build_train_parser():
     return build_parser()
 
 
-def check_train_flags(argv: Sequence[str], command: str = "train", more: Sequence[str] = ()) -> None:
+def check_train_flags(argv: Sequence[str]) -> None:
     """Flags, their values, the ``--config`` files' keys, and the model and data fields (paths, presets, task)
-    checked before torch is imported (``more``: option strings a ``command`` adds to train's); ConfigError on the
-    first problem. What needs the real types or the model is left to the full parse."""
+    checked before torch is imported; ConfigError on the first problem. What needs the real types or the model is
+    left to the full parse."""
     from ..config_files import load_mapping
     from ..flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
     from ..job_fields import DataArguments, ModelArguments
     from ..values import normalize_keys
 
     flags = load_spec(_build_train_parser)
-    given = check_argv(argv, flags, command, more)
+    given = check_argv(argv, flags)
+    keys = [flag.dest for flag in flags if flag.dest != "config"]  # a config file names no other config file
     values: dict = {}
     for path in given.pop("config", []):
         loaded = load_mapping(path, "--config", suffixes=CONFIG_SUFFIXES)
-        values.update(normalize_keys(loaded, [flag.dest for flag in flags], f"config file {path!r}"))
+        values.update(normalize_keys(loaded, keys, f"config file {path!r}"))
     values.update(given)
     for fields, check in ((ModelArguments, "validate_model"), (DataArguments, "validate_data")):
         names = fields.__dataclass_fields__
@@ -89,6 +90,8 @@ def run_train(argv: Sequence[str]) -> int:
     then the job run; prints where the model went."""
     from ..flag_help import HELP_ALL
 
+    # first: a stale flag spec below is rebuilt by the real parser, which imports torch
+    cpu_threads.apply_to_environment(cpu_threads.local_processes())
     if any(word in ("-h", "--help", HELP_ALL) for word in argv):
         from ..flag_help import render
         from ..flag_spec import load_spec
@@ -96,7 +99,6 @@ def run_train(argv: Sequence[str]) -> int:
         print(render(load_spec(_build_train_parser), everything=HELP_ALL in argv), end="")
         return 0
     check_train_flags(argv)
-    cpu_threads.apply_to_environment(cpu_threads.local_processes())
 
     from ..api import train
     from ..flags import parse_train_args
