@@ -86,6 +86,17 @@ def test_launch_gives_each_process_its_share(nproc: int, monkeypatch, tmp_path) 
     assert "OMP_NUM_THREADS" not in plan.env  # the user's own value reaches the processes as it is
 
 
+def test_a_gpu_process_gets_one_thread_as_under_torchrun(monkeypatch, tmp_path) -> None:
+    from trainer_ext.cli.launch import settings as launch_settings
+
+    monkeypatch.setattr(launch_settings, "visible_gpus", lambda: 2)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    _, plan, _ = prepare(["--num_processes", "2", "--dry_run", "train"])
+    assert plan.env["OMP_NUM_THREADS"] == "1" and "OMP_WAIT_POLICY" not in plan.env
+
+
 def test_the_start_up_block_names_the_threads_and_why() -> None:
     text = run_summary(
         world_size=1,

@@ -24,6 +24,7 @@ SOURCE = "TRAINER_EXT_THREADS_SOURCE"
 SOURCES = {
     "policy": "trainer_ext's default: the idle usable cores / training processes on this machine",
     "flag": "trainer-ext launch --num_cpu_threads_per_process",
+    "gpu": "trainer-ext launch: 1 per GPU process, as torchrun and accelerate set it",
 }
 DEFAULT_WAIT_POLICY = "PASSIVE"
 

@@ -53,15 +53,20 @@ def rendezvous_args(s: Settings) -> list[str]:
 
 
 def _thread_env(s: Settings) -> dict[str, str]:
-    """OMP_NUM_THREADS and the OpenMP wait policy of each process (``trainer_ext.cpu_threads``), where not set."""
+    """OMP_NUM_THREADS (and on CPU the OpenMP wait policy) of each process, where the user set none: CPU processes
+    share the idle cores (``trainer_ext.cpu_threads``); a GPU process gets 1, as under torchrun and accelerate."""
     given = s["num_cpu_threads_per_process"]
     env: dict[str, str] = {}
     if given:
         env = {cpu_threads.NUM_THREADS: str(given), cpu_threads.SOURCE: "flag"}
-    elif cpu_threads.NUM_THREADS not in os.environ:  # else the user's value reaches every process as it is
+    elif cpu_threads.NUM_THREADS in os.environ:  # the user's value reaches every process as it is
+        pass
+    elif s["device"] == "cuda":
+        env = {cpu_threads.NUM_THREADS: "1", cpu_threads.SOURCE: "gpu"}
+    else:
         cpu_threads.apply_to_environment(int(s["nproc_per_node"] or 1), env=env)
         env.pop(cpu_threads.WAIT_POLICY)
-    if cpu_threads.WAIT_POLICY not in os.environ:
+    if s["device"] != "cuda" and cpu_threads.WAIT_POLICY not in os.environ:
         env[cpu_threads.WAIT_POLICY] = cpu_threads.DEFAULT_WAIT_POLICY
     return env
 
