@@ -42,12 +42,12 @@ def test_tested_versions_pass_silently(version: str, fresh_warning: None) -> Non
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.5.4", "5.16.1", "5.0.0rc1"])
 def test_versions_known_to_break_are_refused(version: str) -> None:
-    with pytest.raises(ImportError, match=r"known broken: <5\.17; tested: >=5\.17\.0,<5\.24\.0\)") as error:
+    with pytest.raises(ImportError, match=r"known broken: <5\.17; tested: >=5\.17\.0,<5\.25\.0\)") as error:
         _compat.check_transformers_version(version)
-    assert "pip install 'transformers>=5.17.0,<5.24.0'" in str(error.value)
+    assert "pip install 'transformers>=5.17.0,<5.25.0'" in str(error.value)
 
 
-@pytest.mark.parametrize("version", ["5.24.0", "5.24.0.dev0", "5.30.1", "6.0.0"])
+@pytest.mark.parametrize("version", ["5.25.0", "5.25.0.dev0", "5.30.1", "6.0.0"])
 def test_newer_versions_warn_once_and_proceed(version: str, fresh_warning: None) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -56,8 +56,8 @@ def test_newer_versions_warn_once_and_proceed(version: str, fresh_warning: None)
         _compat.check_transformers_version("5.23.0")
     assert len(caught) == 1 and caught[0].category is UserWarning
     message = str(caught[0].message)
-    assert message.startswith(f"trainer_ext is tested with transformers >=5.17.0,<5.24.0; {version} is newer")
-    assert "report" in message and "pip install 'transformers>=5.17.0,<5.24.0'" in message
+    assert message.startswith(f"trainer_ext is tested with transformers >=5.17.0,<5.25.0; {version} is newer")
+    assert "report" in message and "pip install 'transformers>=5.17.0,<5.25.0'" in message
 
 
 def test_a_newer_transformers_warns_at_the_trainer_import_not_at_import_trainer_ext() -> None:

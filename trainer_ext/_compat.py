@@ -1,4 +1,4 @@
-"""The one place that knows transformers' private internals (tested: transformers >=5.17,<5.24; newer ones warn).
+"""The one place that knows transformers' private internals (tested: transformers >=5.17,<5.25; newer ones warn).
 
 transformers' ``trainer.py`` and ``training_args.py`` bind a few accelerate names at module level only
 when accelerate is installed, yet reach them on every run (``DistributedType`` in ``_run_epoch``,
@@ -26,7 +26,7 @@ from .distributed.data import skip_first_batches as _our_skip_first_batches
 from .distributed.state import DistributedType
 from .distributed.tracking import TrackedIteration
 
-TESTED_TRANSFORMERS = (Version("5.17.0"), Version("5.24.0"))  # [oldest, first untested): CI's compat subset
+TESTED_TRANSFORMERS = (Version("5.17.0"), Version("5.25.0"))  # [oldest, first untested): CI's compat subset
 # Versions known to break, refused at import: before 5.17 the internals we override are missing. Add a release here
 # (e.g. "==5.30.0") when one is found broken, until a fix ships.
 BROKEN_TRANSFORMERS = SpecifierSet("<5.17")
@@ -39,7 +39,7 @@ def check_transformers_version(version: str | None = None) -> None:
     found = Version(version or transformers.__version__)
     low, high = TESTED_TRANSFORMERS
     tested = f">={low},<{high}"
-    base = Version(found.base_version)  # 5.24.0.dev0 counts as 5.24.0
+    base = Version(found.base_version)  # 5.25.0.dev0 counts as 5.25.0
     if BROKEN_TRANSFORMERS.contains(base, prereleases=True):
         raise ImportError(
             f"trainer_ext does not work with transformers {found} (known broken: {BROKEN_TRANSFORMERS}; tested: "
