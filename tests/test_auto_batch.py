@@ -160,9 +160,10 @@ def test_token_count_loss_of_a_causal_lm(tmp_path: Path, caplog: pytest.LogCaptu
         **options,
     )
     assert memory.raised == 1 and auto.state.global_step == reference.state.global_step == 4
-    # the 4-row batches are padded to their longest row, the reference's 2-row ones to theirs: not bitwise
+    # the 4-row batches are padded to their longest row, the reference's 2-row ones to theirs: not bitwise (the
+    # reductions differ with the shapes and the thread count: 3.7e-6 apart on one thread, an Adam step is 1e-2)
     for name, value in weights(reference).items():
-        torch.testing.assert_close(weights(auto)[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(weights(auto)[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for (step, loss, lr), (ref_step, ref_loss, ref_lr) in zip(steps(auto), steps(reference), strict=True):
         assert (step, lr) == (ref_step, ref_lr) and loss == pytest.approx(ref_loss, abs=1e-4)
     assert len(shape_lines(caplog)) == 1
