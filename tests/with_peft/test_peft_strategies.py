@@ -17,7 +17,12 @@ pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.helpers.ranks import run_ranks  # noqa: E402
-from tests.with_peft.lora_models import adapter_state, lora_llama, max_diff  # noqa: E402
+from tests.with_peft.lora_models import (  # noqa: E402
+    adapter_state,
+    lora_llama,
+    max_diff,
+    needs_transformers_peft_integration,
+)
 from tests.with_peft.peft_strategies_job import hf_reload_error, lora_job, reload_errors  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -90,6 +95,7 @@ def test_lora_trains_saves_the_adapter_and_matches_one_process(
         assert sharded == sorted(k for k, p in lora_llama(0).named_parameters() if p.requires_grad), sharded[:3]
 
 
+@needs_transformers_peft_integration
 def test_an_adapter_added_through_transformers_is_saved_alone_under_fsdp(tmp_path: Path) -> None:
     """``model.add_adapter(LoraConfig)`` under FSDP2: the final save holds the adapter only and reloads by
     ``load_adapter`` to the logits of the trained, sharded model."""

@@ -14,7 +14,16 @@ from transformers import TrainerCallback  # noqa: E402
 
 from tests.helpers.jobs import StopAt, make_args  # noqa: E402
 from tests.helpers.tiny import lm_dataset, tiny_llama  # noqa: E402
-from tests.with_peft.lora_models import PeftModel, adapter_state, base_state, logits, lora_config, lora_llama, max_diff  # noqa: E402
+from tests.with_peft.lora_models import (  # noqa: E402
+    PeftModel,
+    adapter_state,
+    base_state,
+    logits,
+    lora_config,
+    lora_llama,
+    max_diff,
+    needs_transformers_peft_integration,
+)
 from trainer_ext import Trainer  # noqa: E402
 from trainer_ext.callbacks import SavedModelMismatchError, UnwrapAndSaveCallback  # noqa: E402
 from trainer_ext.callbacks.unwrap_and_save import verify_saved_model  # noqa: E402
@@ -127,6 +136,7 @@ def test_every_adapter_is_saved_and_checked_in_its_own_folder(tmp_path: Path) ->
         verify_saved_model(trainer.model, tmp_path)
 
 
+@needs_transformers_peft_integration
 def test_an_adapter_added_through_transformers_is_trained_saved_and_reloaded(tmp_path: Path) -> None:
     """``model.add_adapter(LoraConfig)`` (transformers' own peft integration): the model stays a PreTrainedModel."""
     model = tiny_llama(0)
