@@ -35,7 +35,9 @@ SOURCES = (
 )
 CACHE_DIR_ENV = "TRAINER_EXT_CACHE_DIR"
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
-BOOL_WORDS = {"yes", "true", "t", "y", "1", "no", "false", "f", "n", "0"}
+# the words transformers' string_to_bool reads as true and as false
+TRUE_WORDS = ("yes", "true", "t", "y", "1")
+FALSE_WORDS = ("no", "false", "f", "n", "0")
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,11 @@ def spec_flags(spec: dict[str, Any]) -> list[Flag]:
     ]
 
 
+def stray_word_error(word: str) -> ConfigError:
+    """The one-line error for a word that no flag takes."""
+    return ConfigError(f"unexpected argument {word!r}; flags look like --name value")
+
+
 def unknown_flag_error(given: str, valid: Sequence[str], command: str = "train") -> ConfigError:
     """The one-line error for a flag no parser knows, naming the closest valid flags."""
     names = sorted({v.lstrip("-").replace("-", "_") for v in valid})
@@ -177,9 +184,9 @@ def _check_value(flag: Flag, option: str, value: str) -> Any:
             number = "a whole number" if flag.kind == "int" else "a number"
             raise ConfigError(f"{option} takes {number}, got {value!r}") from None
     elif flag.kind == "bool":
-        if value.lower() not in BOOL_WORDS:
+        if value.lower() not in TRUE_WORDS + FALSE_WORDS:
             raise ConfigError(f"{option} takes true or false, got {value!r}")
-        typed = value.lower() in ("yes", "true", "t", "y", "1")
+        typed = value.lower() in TRUE_WORDS
     if flag.choices and value not in flag.choices:
         near = closest(value, flag.choices)
         hint = " Did you mean " + " or ".join(repr(m) for m in near) + "?" if near else ""
@@ -217,7 +224,7 @@ def check_argv(argv: Sequence[str], flags: Sequence[Flag], command: str = "train
         word = words[i]
         i += 1
         if _is_value(word):
-            raise ConfigError(f"unexpected argument {word!r}; flags look like --name value")
+            raise stray_word_error(word)
         option, inline = (word.split("=", 1) + [None])[:2] if "=" in word else (word, None)
         if option not in by_option:
             raise unknown_flag_error(option, list(by_option), command)

@@ -18,7 +18,14 @@ from .arguments import TrainJobArguments, field_names, normalize_keys
 from .config_files import load_mapping
 from .errors import ConfigError, did_you_mean
 from .flag_help import HELP_ALL, render
-from .flag_spec import CONFIG_SUFFIXES, spec_flags, spec_from_parser, unknown_flag_error, write_shipped
+from .flag_spec import (
+    CONFIG_SUFFIXES,
+    spec_flags,
+    spec_from_parser,
+    stray_word_error,
+    unknown_flag_error,
+    write_shipped,
+)
 
 
 class _RaiseOnError:
@@ -114,7 +121,7 @@ def _unknown_flag_error(
     ``more_flags``, those of a ``command`` that takes train's flags and its own)."""
     flags = [word for word in extras if word.startswith("-")]
     if not flags:
-        return ConfigError(f"unexpected argument {extras[0]!r}; flags look like --name value")
+        return stray_word_error(extras[0])
     valid = [s for a in parser._actions for s in a.option_strings] + [f"--{m}" for m in more_flags]
     return unknown_flag_error(flags[0].split("=", 1)[0], valid, command)
 

@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .job_fields import field_help
 
 # LoRA from the command line: the defaults of TRL's CLI (alpha twice the rank, so the update's scale alpha/r stays 2
 # whatever the rank; a little dropout), and what to install when peft is missing.
@@ -15,34 +16,30 @@ ALL_LINEAR = "all-linear"
 PEFT_INSTALL = "pip install 'peft>=0.14'"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass
 class LoraArguments:
     """LoRA adapters instead of full fine-tuning: ``get_peft_model(model, LoraConfig(...))`` built from flags."""
 
     lora_r: int = field(
         default=0,
-        metadata=_help(
+        metadata=field_help(
             "Train LoRA adapters of this rank (e.g. 8) on a frozen model instead of every weight; 0 (default): "
             f"full fine-tuning. Needs peft ({PEFT_INSTALL}; from a checkout: pip install -e '.[peft]')."
         ),
     )
     lora_alpha: int | None = field(
         default=None,
-        metadata=_help(
+        metadata=field_help(
             f"LoRA scaling: the adapter's update is multiplied by lora_alpha / lora_r. Default: {LORA_ALPHA_PER_RANK} "
             "* --lora_r."
         ),
     )
     lora_dropout: float | None = field(
-        default=None, metadata=_help(f"Dropout on the adapters' input, in [0, 1). Default: {LORA_DROPOUT}.")
+        default=None, metadata=field_help(f"Dropout on the adapters' input, in [0, 1). Default: {LORA_DROPOUT}.")
     )
     lora_target_modules: None | str | list[str] = field(
         default=None,
-        metadata=_help(
+        metadata=field_help(
             f"Modules that get adapters: comma-separated module names (e.g. q_proj,v_proj) or {ALL_LINEAR} (every "
             "linear layer but the output head). Default: peft's choice for the model type (the attention query and "
             "value projections)."
@@ -50,7 +47,7 @@ class LoraArguments:
     )
     merge_lora: bool = field(
         default=False,
-        metadata=_help(
+        metadata=field_help(
             "Also write the model with the adapters merged into its weights to <output_dir>/merged: a plain model "
             "that loads with AutoModelFor... and needs no peft. The adapter itself stays in --output_dir."
         ),

@@ -5,13 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, did_you_mean
+from .job_fields import field_help
 from .metrics.classification import AVERAGES
 from .metrics.for_trainer import AVERAGED, parse_names
 from .metrics.registry import CLASSIFICATION, TASK_METRICS, metric_class
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass
@@ -20,7 +17,7 @@ class MetricsArguments:
 
     metrics: None | str | list[str] = field(
         default=None,
-        metadata=_help(
+        metadata=field_help(
             "Evaluation metrics, comma-separated (a YAML list in a config file). sequence-classification: "
             f"{', '.join(TASK_METRICS[CLASSIFICATION])}; causal-lm: perplexity, accuracy (next-token). Default: "
             "accuracy for sequence-classification; for causal-lm only eval_loss and eval_perplexity = exp(eval_loss), "
@@ -29,7 +26,7 @@ class MetricsArguments:
     )
     metrics_average: str | None = field(
         default=None,
-        metadata=_help(
+        metadata=field_help(
             f"How {', '.join(AVERAGED)} average over classes: {', '.join(AVERAGES)} (binary: the class with id 1 "
             "only). Default: binary for 2 classes, macro for more."
         ),
