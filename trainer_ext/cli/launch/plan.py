@@ -64,8 +64,8 @@ def _thread_env(s: Settings) -> dict[str, str]:
     elif s["device"] == "cuda":
         env = {cpu_threads.NUM_THREADS: "1", cpu_threads.SOURCE: "gpu"}
     else:
-        cpu_threads.apply_to_environment(int(s["nproc_per_node"] or 1), env=env)
-        env.pop(cpu_threads.WAIT_POLICY)
+        policy = cpu_threads.choose(int(s["nproc_per_node"] or 1), env={})
+        env = {cpu_threads.NUM_THREADS: str(policy.threads), cpu_threads.SOURCE: "policy"}
     if s["device"] != "cuda" and cpu_threads.WAIT_POLICY not in os.environ:
         env[cpu_threads.WAIT_POLICY] = cpu_threads.DEFAULT_WAIT_POLICY
     return env
