@@ -1,17 +1,20 @@
 """Time to a result: the README's ``trainer-ext train``, wall time and where it goes.
 
-    python -m benchmarks.time_to_result [--repeats R] [-- TRAIN FLAGS...]
+    python -m benchmarks.time_to_result [--repeats R] [--loads 0,3,4] [--json FILE] [-- TRAIN FLAGS...]
 
 Each run is a fresh interpreter, as a user's command is. The wall time is the best of ``--repeats`` plain runs
 (``python -m trainer_ext train``); one more run is timed phase by phase (the job's own functions wrapped with a
 clock, nothing else changed): interpreter start and imports, data, tokenizer, model, tokenizing, the Trainer's
 construction, the other start-up checks, training, the final model save, evaluation, the report, the rest.
+With ``--loads``, the plain runs are repeated with that many busy-looping processes added (a load of L on the
+machine, ``benchmarks.threads.Load``) and each wall time is also given as a ratio to the quiet one of the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -96,25 +99,48 @@ def _run(cmd: list[str]) -> tuple[float, str]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="plain runs; the best wall time is kept")
+    parser.add_argument("--loads", default="0", help="busy processes added, comma-separated (0 first: the baseline)")
+    parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("train_flags", nargs="*", help="flags for trainer-ext train (after --)")
     opts = parser.parse_args(argv)
+    from benchmarks.threads import Load
+
+    loads = [int(x) for x in opts.loads.split(",")]
+    walls: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        walls = []
-        for i in range(opts.repeats):
-            out = ["--output_dir", str(Path(tmp) / f"plain{i}")]
-            walls.append(_run([sys.executable, "-m", "trainer_ext", "train", *out, *opts.train_flags])[0])
+        for load in loads:
+            with Load(load):
+                walls[load] = []
+                for i in range(opts.repeats):
+                    out = ["--output_dir", str(Path(tmp) / f"plain{load}-{i}")]
+                    walls[load].append(
+                        _run([sys.executable, "-m", "trainer_ext", "train", *out, *opts.train_flags])[0]
+                    )
         out = ["train", "--output_dir", str(Path(tmp) / "phased"), *opts.train_flags]
         phased_wall, stdout = _run([sys.executable, "-c", _child_code(), *out])
     phases = json.loads(next(line for line in stdout.splitlines() if line.startswith("PHASES "))[7:])
     print(f"trainer-ext train {' '.join(opts.train_flags)}".rstrip())
-    print(f"wall time, best of {opts.repeats}: {min(walls):.2f} s (all: {', '.join(f'{w:.2f}' for w in walls)})")
-    print(f"phases of one more run ({phased_wall:.2f} s wall):")
+    base = min(walls[loads[0]])
+    for load in loads:
+        ratio = f", {min(walls[load]) / base:.2f}x load {loads[0]}" if load != loads[0] else ""
+        every = ", ".join(f"{w:.2f}" for w in walls[load])
+        print(f"load +{load}: wall time, best of {opts.repeats}: {min(walls[load]):.2f} s (all: {every}){ratio}")
+    print(f"phases of one more run, quiet ({phased_wall:.2f} s wall):")
     named = {k: v for k, v in phases.items() if k not in ("job", "total")}
     accounted = sum(named.values())
     for label, seconds in named.items():
         print(f"  {label:36} {seconds:6.2f} s")
     print(f"  {'interpreter start and the rest':36} {phased_wall - accounted:6.2f} s")
-    return {"wall_s": min(walls), **phases}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cores": len(os.sched_getaffinity(0)),
+        "wall_s": base,
+        **phases,
+        "loads": {str(k): {"walls_s": v, "best_s": min(v)} for k, v in walls.items()},
+    }
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":
