@@ -13,13 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForSequenceClassification
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2ForSequenceClassification,
+    LlamaForSequenceClassification,
+)
 
-from tests.helpers import exact_eval_job
+from tests.helpers import exact_eval_job, masked_tail_eval_job
 from tests.helpers.jobs import make_args
 from tests.helpers.ranks import run_ranks
-from tests.helpers.tiny import pad_right, ragged_lm_dataset, tiny_llama
+from tests.helpers.tiny import pad_right, ragged_lm_dataset, tiny_llama, tiny_t5
 from trainer_ext import Trainer, TrainingArguments
+from trainer_ext._compat import loss_shifts_labels
 from trainer_ext.arguments import TrainJobArguments
 from trainer_ext.exact_eval import batch_rows, first_rows, loss_units
 
@@ -180,3 +187,38 @@ def test_full_predictions_still_work_for_those_who_want_them(
     assert found["batches"] == -(-SIZE // (3 * nproc))  # one gathered array per round of the ranks
     for key in ("loss", "accumulated_loss"):
         assert found[key] == pytest.approx(references["lm"], rel=TOL)
+
+
+def test_which_losses_shift_the_labels() -> None:
+    """GPT-2's head names no loss type (transformers' own count then misses the shift), yet its loss is causal."""
+    gpt2 = masked_tail_eval_job.tiny_gpt2()
+    assert gpt2.loss_type is None  # why transformers' _loss_shifts_labels is False for it
+    assert loss_shifts_labels(gpt2) and loss_shifts_labels(tiny_llama(2))
+    assert not loss_shifts_labels(tiny_t5())  # encoder-decoder: its labels are the decoder's own targets
+    bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    assert not loss_shifts_labels(BertForMaskedLM(bert))
+    assert not loss_shifts_labels(BertForSequenceClassification(bert))
+    assert not loss_shifts_labels(GPT2ForSequenceClassification(gpt2.config))
+    assert not loss_shifts_labels(torch.nn.Linear(2, 2))  # not a transformers model: no loss of its own
+
+
+@pytest.fixture(scope="module")
+def masked_tail_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The tiny GPT-2 on full-length rows with masked tails, on 1 and 2 processes, at several batch sizes."""
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path_factory.mktemp(f"masked_tail_{nproc}")
+        run_ranks(masked_tail_eval_job, nproc, str(out))
+        results[nproc] = json.loads((out / "results.json").read_text())
+    return results
+
+
+@pytest.mark.distributed
+def test_gpt2_masked_tails_give_one_loss_on_2_processes_and_1(masked_tail_runs: dict[int, dict]) -> None:
+    """A mixed last batch is re-run without num_items_in_batch: its mean is over the shifted labels."""
+    reference = masked_tail_eval_job.reference_loss()
+    single = {batch: found["loss"] for batch, found in masked_tail_runs[1].items()}
+    double = {batch: found["loss"] for batch, found in masked_tail_runs[2].items()}
+    assert sorted(single, key=int) == [str(batch) for batch in masked_tail_eval_job.BATCH_SIZES]
+    assert double == pytest.approx(single, rel=TOL)
+    assert single == pytest.approx(dict.fromkeys(single, reference), rel=TOL)

@@ -188,6 +188,29 @@ def uses_activation_checkpointing(model: Any, args: Any) -> bool:
     return bool(on_model or on_args)
 
 
+def _unwrapped(model: Any) -> Any:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _loss_function_calls(model: Any) -> tuple[list[Any], Any] | None:
+    """The ``loss_function(...)`` calls in ``model.forward`` and its parsed source; None when that is unreadable."""
+    import ast
+    import textwrap
+
+    forward = getattr(type(model), "forward", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "loss_function"
+    ]
+    return calls, tree
+
+
 def loss_uses_num_items(model: Any) -> bool | None:
     """Does ``model.forward`` pass ``num_items_in_batch`` on to its loss? None when its source is unreadable.
 
@@ -196,25 +219,41 @@ def loss_uses_num_items(model: Any) -> bool | None:
     the world size and skips the division by the accumulation steps.
     """
     import ast
-    import textwrap
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _unwrapped(model)
     if hasattr(base, "accepts_loss_kwargs"):
         return bool(base.accepts_loss_kwargs)
-    forward = getattr(type(base), "forward", None)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
+    found = _loss_function_calls(base)
+    if found is None:
         return None
-    loss_calls = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "loss_function"
-    ]
-    if not loss_calls:
+    calls, tree = found
+    if not calls:
         return any(isinstance(n, ast.Name) and n.id == "num_items_in_batch" for n in ast.walk(tree))
-    return any(kw.arg is None or kw.arg == "num_items_in_batch" for call in loss_calls for kw in call.keywords)
+    return any(kw.arg is None or kw.arg == "num_items_in_batch" for call in calls for kw in call.keywords)
+
+
+def loss_shifts_labels(model: Any) -> bool:
+    """Does the model's loss predict label i+1 at position i (transformers' causal-LM loss on a decoder)?
+
+    transformers asks the model's ``loss_type`` alone, which heads named without one (``GPT2LMHeadModel``,
+    ``OpenAIGPTLMHeadModel`` …) leave unset, although their ``self.loss_function`` then falls back to the
+    causal-LM loss: those count here as shifting when their forward calls it.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    base = _unwrapped(model)
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return False
+    function = getattr(base, "_loss_function", None)  # set through the loss_function setter
+    if function is None:
+        loss_type = getattr(base, "loss_type", None)
+        if loss_type in LOSS_MAPPING:
+            function = LOSS_MAPPING[loss_type]
+        elif isinstance(base, transformers.PreTrainedModel):
+            found = _loss_function_calls(base)
+            if found is not None and found[0]:
+                function = ForCausalLMLoss  # the loss_function property's fallback for a missing or unknown type
+    return function is ForCausalLMLoss
 
 
 def saved_weight_names(model: Any, state: dict[str, Any]) -> dict[str, Any] | None:

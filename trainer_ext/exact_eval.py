@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .distributed import collectives
 
-# models whose loss shifts the labels by one position inside the model (transformers' ForCausalLMLoss)
-_SHIFTED_LOSS_TYPES = ("ForCausalLM", "ForConditionalGeneration")
 IGNORE_INDEX = -100
 BATCH_MEAN_LOSS = "batch_mean_loss"
 
@@ -51,9 +50,9 @@ def loss_units(inputs: Any, shifts_labels: bool) -> torch.Tensor | int:
     """What a batch's mean loss is a mean over, as transformers' model losses define it.
 
     Integer ``labels``: the labels that are not -100 (``shift_labels`` when given, ``labels[..., 1:]`` for a
-    loss that shifts them, transformers' own count for ``num_items_in_batch``): tokens for token losses, samples
-    for classification. Float ``labels`` (regression, multi-label): every element, as MSE and BCE average. No
-    ``labels`` (a loss from other keys, such as QA's start and end positions, or a preference pair's): samples.
+    loss that shifts them): tokens for token losses, samples for classification. Float ``labels`` (regression,
+    multi-label): every element, as MSE and BCE average. No ``labels`` (a loss from other keys, such as QA's start
+    and end positions, or a preference pair's): samples.
     """
     labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
     shifted = inputs.get("shift_labels") if isinstance(inputs, Mapping) else None
@@ -81,18 +80,22 @@ class ExactEvalLossMixin:
 
     _exact_eval_sums: torch.Tensor | None = None  # [sum of losses, units] while an evaluation loop runs
     _exact_eval_items: Any = None  # the num_items_in_batch of the batch being predicted
+    _exact_eval_shifts = False  # the model's loss predicts label i+1 at position i (see _compat.loss_shifts_labels)
 
     def _exact_eval_enabled(self) -> bool:
         return bool(getattr(self.args, "exact_eval_loss", False))
 
     def eval_loss_units(self, model: Any, inputs: Any) -> torch.Tensor | int:
         """Units of a batch's mean loss (see :func:`loss_units`); override for a loss with another definition."""
-        return loss_units(inputs, bool(getattr(self, "_loss_shifts_labels", False)))
+        return loss_units(inputs, self._exact_eval_shifts)
 
     def evaluation_loop(self, dataloader: Any, description: str, *args: Any, **kwargs: Any) -> Any:
         if not self._exact_eval_enabled():
             return super().evaluation_loop(dataloader, description, *args, **kwargs)
         self._exact_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        # not transformers' _loss_shifts_labels: it misses causal heads that name no loss type (GPT-2), whose
+        # units would then count one label too many per row
+        self._exact_eval_shifts = _compat.loss_shifts_labels(self.accelerator.unwrap_model(self.model))
         try:
             output = super().evaluation_loop(dataloader, description, *args, **kwargs)
             sums = self._exact_eval_sums
