@@ -16,6 +16,7 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .distributed.data import BatchSamplerShard
+from .distributed.split import share_of
 from .distributed.state import DistState
 
 
@@ -102,7 +103,7 @@ class ProcessesMixin:
         if self.num_processes == 1:
             yield inputs
             return
-        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+        yield share_of(inputs, self.num_processes, self.process_index, apply_padding)
 
     # -- a flag any process can raise -------------------------------------------------------------
     def set_trigger(self) -> None:
@@ -156,40 +157,3 @@ class ProcessesMixin:
         finally:
             for shard, value in restore:
                 shard.even_batches = value
-
-
-def _split(inputs: Any, processes: int, index: int, pad: bool) -> Any:
-    if isinstance(inputs, dict):
-        lengths = {len(value) for value in inputs.values()}
-        if len(lengths) > 1:
-            raise ValueError("All values in the dictionary must have the same length")
-        return {key: _split(value, processes, index, pad) for key, value in inputs.items()}
-    per, extra = divmod(len(inputs), processes)
-    start = index * per + min(index, extra)
-    end = start + per + int(index < extra)
-    most = per + int(extra > 0)
-    if _is_dataset(inputs):
-        rows = list(range(min(start, len(inputs)), min(end, len(inputs))))
-        if pad:
-            rows += [len(inputs) - 1] * (most - len(rows))
-        return inputs.select(rows)
-    if not isinstance(inputs, (list, tuple, torch.Tensor)):
-        raise TypeError(
-            f"split_between_processes splits a list, tuple, tensor, datasets.Dataset or a dict of them, not "
-            f"{type(inputs).__name__}"
-        )
-    part = inputs[start:end]
-    if not pad or len(part) == most:
-        return part
-    if isinstance(inputs, torch.Tensor):
-        filler = inputs[-1:].expand(most - len(part), *inputs.shape[1:])
-        return torch.cat([part, filler])
-    return part + type(part)([inputs[-1]] * (most - len(part)))
-
-
-def _is_dataset(inputs: Any) -> bool:
-    try:
-        from datasets import Dataset
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        return False
-    return isinstance(inputs, Dataset)

@@ -19,13 +19,14 @@ from torch.utils.data import DataLoader
 from . import collectives
 from .accumulation import GradientState
 from .data import shard_dataloader
+from .engine_names import AccelerateNames
 from .optimizer import EngineOptimizer, OptimizerPlaceholder
 from .precision import Precision
 from .state import DistributedType, DistState
 from .strategies import Strategy, resolve_strategy
 
 
-class Engine:
+class Engine(AccelerateNames):
     """Prepare models, optimizers and dataloaders; run backward, clipping and collectives."""
 
     def __init__(
