@@ -129,3 +129,22 @@ def test_recursively_apply_model_output() -> None:
     assert type(out) is CausalLMOutputWithPast
     assert out.loss.item() == 1.0 and out.logits.tolist() == [1.0, 1.0]
     assert out["logits"] is out.logits and out.past_key_values is None
+
+
+def test_gathers_on_a_group_started_with_no_backend_named(tmp_path) -> None:  # noqa: ANN001
+    """2 real ranks: views carrying gradients gather (not "a view was created in no_grad mode ..."), in both forms,
+    on the group transformers starts under TRL's parser."""
+    import json
+
+    from tests.helpers.ranks import run_ranks
+
+    out = tmp_path / "gathered.json"
+    run_ranks("tests.distributed.unnamed_backend_gather_job", 2, str(out))
+    got = json.loads(out.read_text())
+    chosen = [[0.0, 2.0], [4.0, 6.0], [200.0, 202.0], [204.0, 206.0]]
+    assert got["gather"] == chosen
+    assert got["gather_forms"] == [chosen, chosen]
+    assert got["gather_for_metrics"] == [9.0, 13.0, 209.0, 213.0]
+    assert got["needs_grad"] is False
+    assert got["padded"] == [[0.0, 2.0], [0.0, 0.0]]
+    assert got["grad"] == [[2.0, 2.0]] * 4

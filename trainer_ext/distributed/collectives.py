@@ -39,14 +39,17 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
 
 
 def _gather_tensor(tensor: torch.Tensor, into_one: bool | None = None) -> torch.Tensor:
-    """All-gather along dim 0. ``into_one`` (default: any backend but gloo) gathers straight into one output tensor,
-    as accelerate does on NCCL: no per-rank buffers, no concatenation. On gloo the list form measured faster."""
+    """All-gather along dim 0. ``into_one`` (default: for tensors off the CPU) gathers straight into one output
+    tensor, as accelerate does on NCCL: no per-rank buffers, no concatenation. CPU tensors go through gloo (also
+    in a group made with no backend named, whose ``get_backend()`` is ``undefined``), where the list form measured
+    faster. The result carries no gradient (a gather is not differentiable): views of tensors that need one are
+    read detached."""
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
-    tensor = tensor.contiguous()
+    tensor = tensor.detach().contiguous()
     world = dist.get_world_size()
     if into_one is None:
-        into_one = dist.get_backend() != "gloo"
+        into_one = tensor.device.type != "cpu" and dist.get_backend() != "gloo"
     if into_one:
         out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
         dist.all_gather_into_tensor(out, tensor)
