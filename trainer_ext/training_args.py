@@ -7,23 +7,73 @@ started by our :class:`~trainer_ext.distributed.DistState` (gloo on CPU, NCCL on
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 import transformers
+import transformers.training_args
 from transformers.training_args import ParallelMode
 
 from . import _compat, env_vars
 from .distributed.deepspeed_config import DeepSpeedConfig, DeepSpeedInputs
 from .distributed.fsdp_config import fsdp_requested, launched_fsdp_settings, normalized_config, parse_fsdp
 from .distributed.rules import check_precision, claim_world
-from .distributed.state import DistributedType, DistState
+from .distributed.state import DistributedType, DistState, detect_topology
 from .distributed.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
 
 _compat.check_transformers_version()
+logger = logging.getLogger(__name__)
+
+# transformers' warning when arguments it set up are not DISTRIBUTED although a process group exists
+STOCK_GROUP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
+
+
+def process_group_mismatch() -> str | None:
+    """Why our engine would not train this process in the existing process group (one line), or None: no group, or
+    a group of the launcher's size (RANK/WORLD_SIZE), which our DistState joins."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        launched = detect_topology().world_size
+    except ConfigError:
+        return None  # DistState names the bad variable when the arguments are set up
+    size = dist.get_world_size()
+    if size == launched:
+        return None
+    return (
+        f"a torch.distributed process group of {size} processes exists, but the launcher's variables (RANK, "
+        f"WORLD_SIZE) say {launched}, so this process trains on its own: start the script with trainer-ext launch "
+        f"--num_processes {size} (or torchrun --nproc_per_node {size})"
+    )
+
+
+class _StockGroupWarningFilter(logging.Filter):
+    """Drops transformers' process-group warning where our engine trains this process in that group.
+
+    TRL's parser builds its stock config before we re-base it; on a CPU launch without ``--use_cpu`` accelerate
+    starts the group yet leaves that config NOT_DISTRIBUTED, so transformers warns, though ours then runs the group
+    as one job. Where ours would not (see :func:`process_group_mismatch`), the warning stays and ours adds its own.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(STOCK_GROUP_WARNING)):
+            return True
+        return process_group_mismatch() is not None
+
+
+def _filter_stock_group_warning() -> None:
+    """Install the filter on transformers' training_args logger, once (stock arguments may be built before ours)."""
+    hf_logger = logging.getLogger(transformers.training_args.__name__)
+    if not any(type(f).__name__ == _StockGroupWarningFilter.__name__ for f in hf_logger.filters):
+        hf_logger.addFilter(_StockGroupWarningFilter())
+
+
+_filter_stock_group_warning()
 
 
 @dataclass
@@ -293,6 +343,9 @@ class TrainingArguments(transformers.TrainingArguments):
         )
         self.distributed_state = state
         self._count_gpus()
+        problem = process_group_mismatch()
+        if problem is not None:
+            logger.warning(problem)  # transformers warns here too (not DISTRIBUTED in a process group): in our words
         return state.device
 
     def _claim_world(self, strategy: str) -> None:
