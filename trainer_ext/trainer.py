@@ -75,6 +75,21 @@ def _foreign_arguments(args: Any) -> str:
     )
 
 
+def _log_mean_loss_head(model: str, args: TrainingArguments) -> None:
+    """Say once, at start-up, that a forward taking ``num_items_in_batch`` without using it trains on its mean."""
+    processes = args.world_size if args.average_tokens_across_devices else 1
+    factor = processes * args.gradient_accumulation_steps
+    line = f"{model} accepts num_items_in_batch but computes its loss as a per-micro-batch mean: trained and logged "
+    line += "as that mean, equal to a 1-process run"
+    if factor == 1:
+        logger.info(line)
+        return
+    logger.warning(
+        f"{line} (transformers' Trainer here: {factor}x the training loss and its gradients"
+        + (f", {processes}x eval_loss)" if processes > 1 else ")")
+    )
+
+
 class Trainer(
     ExactEvalLossMixin, AutoBatchMixin, LeanStepMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer
 ):
@@ -107,10 +122,8 @@ class Trainer(
             # transformers would skip the 1/accumulation division and multiply by the world size for a loss
             # that is already a per-micro-batch mean; treat it as the mean it is.
             self.model_accepts_loss_kwargs = False
-            logger.info(
-                "%s computes its loss without num_items_in_batch: the loss is averaged per micro-batch",
-                type(self.model).__name__,
-            )
+            if self.is_world_process_zero():
+                _log_mean_loss_head(type(self.model).__name__, self.args)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the count of optimizer steps skipped by the fp16 loss scaler to the training logs."""
