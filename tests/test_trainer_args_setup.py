@@ -7,7 +7,10 @@ ours drops it there, and warns (transformers' and our own words) where a group e
 This environment has no accelerate, so stock's set-up cannot run here: its warning is sent through transformers'
 own logger with transformers' own text (read from its source); tests/with_trl runs the real stock set-up first.
 
-    python -m tests.test_trainer_args_setup OUT    (one rank of the launched case: torchrun's variables)
+``accelerator_config={"use_configured_state": True}`` asks for a state set up before the arguments: refused as
+transformers refuses it when there is none, taken (the arguments join the group) after our Accelerator started one.
+
+    python -m tests.test_trainer_args_setup OUT [stock_first|configured]    (one rank: torchrun's variables)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import ast
 import inspect
 import json
 import logging
+import pickle
 import sys
 import textwrap
 from datetime import timedelta
@@ -27,6 +31,7 @@ import torch.multiprocessing as mp
 import transformers
 
 from tests.helpers.ranks import run_ranks
+from trainer_ext import TrainingArguments
 from trainer_ext.distributed.state import destroy_process_group
 from trainer_ext.training_args import STOCK_GROUP_WARNING
 
@@ -62,8 +67,6 @@ class _Kept(logging.Handler):
 
 def _observe(out: Path, rank: int) -> None:
     """Stock's warning, then our arguments, in the group that exists: what was logged and how ours set up."""
-    from trainer_ext import TrainingArguments
-
     kept = _Kept()
     for name in LOGGERS:
         logging.getLogger(name).addHandler(kept)
@@ -118,8 +121,55 @@ def test_a_group_this_process_was_not_launched_in_still_warns(tmp_path: Path) ->
         assert "trainer-ext launch --num_processes 2" in ours
 
 
-def main(out: str) -> None:
-    """One rank of the launched case: the group as accelerate starts it for stock arguments, then ours."""
+CONFIGURED = {"use_configured_state": True}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_use_configured_state_takes_the_group_our_accelerator_started(tmp_path: Path) -> None:
+    """On 2 launched ranks, trainer_ext.Accelerator() first: the arguments take its process group (DISTRIBUTED, 2
+    processes), and consume the flag as transformers does, so a saved copy loads in a process with no state."""
+    run_ranks("tests.test_trainer_args_setup", 2, str(tmp_path), "configured")
+    for rank, facts in enumerate(_results(tmp_path)):
+        assert facts == {"parallel_mode": "distributed", "world_size": 2, "process_index": rank, "flag": False}
+    loaded = pickle.loads((tmp_path / "args.pkl").read_bytes())  # as training_args.bin is read elsewhere
+    assert loaded.world_size == 1 and loaded.accelerator_config.use_configured_state is False
+
+
+@pytest.mark.parametrize(
+    "config",
+    [CONFIGURED, json.dumps(CONFIGURED), transformers.trainer_pt_utils.AcceleratorConfig(**CONFIGURED)],
+    ids=["dict", "json", "AcceleratorConfig"],
+)
+def test_use_configured_state_with_nothing_configured_is_refused(tmp_path: Path, config) -> None:
+    """As transformers refuses it (ValueError) when no accelerate state was set up: here no process group either."""
+    with pytest.raises(ValueError, match=r"^accelerator_config use_configured_state=True needs a distributed state"):
+        TrainingArguments(output_dir=str(tmp_path), report_to="none", accelerator_config=config)
+
+
+def _configured(out: Path) -> None:
+    """Our Accelerator sets the state up, then the arguments ask for it."""
+    from trainer_ext import Accelerator
+
+    accelerator = Accelerator()
+    args = TrainingArguments(output_dir=str(out / "run"), report_to="none", accelerator_config=CONFIGURED)
+    facts = {
+        "parallel_mode": args.parallel_mode.value,
+        "world_size": args.world_size,
+        "process_index": args.process_index,
+        "flag": args.accelerator_config.use_configured_state,
+    }
+    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(facts))
+    if accelerator.is_main_process:
+        (out / "args.pkl").write_bytes(pickle.dumps(args))
+    accelerator.wait_for_everyone()
+
+
+def main(out: str, mode: str = "stock_first") -> None:
+    """One rank: the group as accelerate starts it for stock arguments, then ours; or our Accelerator's, then ours."""
+    if mode == "configured":
+        _configured(Path(out))
+        return
     dist.init_process_group()  # env:// from torchrun's variables, no backend named
     try:
         _observe(Path(out), dist.get_rank())

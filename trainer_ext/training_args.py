@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -336,6 +337,7 @@ class TrainingArguments(transformers.TrainingArguments):
         """Build our DistState (initialising the process group for several processes); return the device."""
         from datetime import timedelta
 
+        self._take_configured_state()
         state = DistState(
             cpu=bool(self.use_cpu),
             backend=self.ddp_backend,
@@ -347,6 +349,24 @@ class TrainingArguments(transformers.TrainingArguments):
         if problem is not None:
             logger.warning(problem)  # transformers warns here too (not DISTRIBUTED in a process group): in our words
         return state.device
+
+    def _take_configured_state(self) -> None:
+        """``accelerator_config`` ``use_configured_state``: consumed here, as transformers does; refused when nothing
+        set this process's distributed state up before (our DistState then joins the process group that exists)."""
+        self.accelerator_config = _compat.accelerator_config(self.accelerator_config)  # transformers' step 7
+        if not self.accelerator_config.pop("use_configured_state", False):
+            return
+        if dist.is_available() and dist.is_initialized():
+            return  # our DistState (an Accelerator's, earlier arguments'), accelerate's or the script's own group
+        accelerate_state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
+        if getattr(accelerate_state, "_shared_state", None):
+            return  # a script's accelerate.PartialState/Accelerator: what transformers accepts
+        raise ConfigError(
+            "accelerator_config use_configured_state=True needs a distributed state set up before TrainingArguments "
+            "and this process has none (no torch.distributed process group, no accelerate PartialState): drop "
+            "use_configured_state (trainer_ext sets the devices up from the launcher's variables), or start the "
+            "process group first (trainer_ext.Accelerator() in processes started by trainer-ext launch)"
+        )
 
     def _claim_world(self, strategy: str) -> None:
         """The strategy's rules for this state's processes, and the process group it needs (FSDP on one launched
