@@ -152,3 +152,53 @@ def test_our_trainer_given_another_trainers_arguments_points_to_adapt(tmp_path: 
     plain = object.__new__(transformers.TrainingArguments)
     with pytest.raises(trainer_ext.ConfigError, match="from trainer_ext import TrainingArguments"):
         trainer_ext.Trainer(model=tiny_llama(), args=plain)
+
+
+def _as_stock(cls: type, **values: object) -> transformers.TrainingArguments:
+    """A ``cls`` instance as its own ``__post_init__`` left it (built through the re-based class: transformers'
+    stock set-up needs accelerate, absent here), not an instance of ours."""
+    built = rebased_arguments_class(cls)(**values)
+    stock = object.__new__(cls)
+    stock.__dict__.update(built.__dict__)
+    assert not isinstance(stock, trainer_ext.TrainingArguments)
+    return stock
+
+
+@dataclasses.dataclass
+class DerivingConfig(transformers.TrainingArguments):
+    """TRL's GRPOConfig pattern: two fields, either one given, the other derived; both given is refused."""
+
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured")
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.generation_batch_size is None:
+            self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
+        else:
+            self.steps_per_generation = self.generation_batch_size // self.per_device_train_batch_size
+
+
+@pytest.mark.parametrize("given", [{}, {"generation_batch_size": 16}, {"steps_per_generation": 3}])
+def test_rebasing_a_config_whose_post_init_derives_a_field_it_refuses_to_be_given(tmp_path: Path, given: dict) -> None:
+    stock = _as_stock(
+        DerivingConfig, output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=4, **given
+    )
+    rebased = rebase_arguments(stock)
+    assert isinstance(rebased, trainer_ext.TrainingArguments) and isinstance(rebased, DerivingConfig)
+    assert (rebased.generation_batch_size, rebased.steps_per_generation) == (
+        stock.generation_batch_size,
+        stock.steps_per_generation,
+    )
+    assert all(getattr(rebased, f.name) == getattr(stock, f.name) for f in dataclasses.fields(stock) if f.init)
+
+
+def test_rebasing_still_refuses_what_the_config_refuses(tmp_path: Path) -> None:
+    stock = _as_stock(LoopConfig, output_dir=str(tmp_path / "out"), report_to="none")
+    stock.margin = -1.0  # changed after construction: the checks run again on rebasing
+    with pytest.raises(ValueError, match="margin must not be negative"):
+        rebase_arguments(stock)

@@ -64,12 +64,35 @@ def _unpickle_rebased(cls: type, state: dict) -> Any:
 
 
 def rebase_arguments(args: transformers.TrainingArguments) -> TrainingArguments:
-    """``args`` as an instance of its re-based class, every init field's value kept (built anew: checks run again)."""
+    """``args`` as an instance of its re-based class, every init field's value kept (built anew: checks run again).
+
+    A ``__post_init__`` that fills a field left ``None`` and then refuses to be given both (TRL's GRPOConfig:
+    ``generation_batch_size`` and ``steps_per_generation``) is built again with that one field left to derive,
+    and kept only when every field comes out as in ``args``."""
     if isinstance(args, TrainingArguments):
         return args
     cls = rebased_arguments_class(type(args))
-    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(args) if spec.init}
-    return cls(**values)
+    specs = [spec for spec in dataclasses.fields(args) if spec.init]
+    values = {spec.name: getattr(args, spec.name) for spec in specs}
+    try:
+        return cls(**values)
+    except ValueError as refused:
+        derivable = [s.name for s in specs if s.default is None and values[s.name] is not None]
+        for name in derivable:
+            try:
+                rebuilt = cls(**{**values, name: None})
+            except ValueError:
+                continue
+            if all(_same(getattr(rebuilt, key), value) for key, value in values.items()):
+                return rebuilt
+        raise refused
+
+
+def _same(left: Any, right: Any) -> bool:
+    try:
+        return bool(left == right)
+    except Exception:  # values whose == is not a bool (arrays): compare what they print
+        return repr(left) == repr(right)
 
 
 def _arguments_type(trainer_cls: type) -> type | None:

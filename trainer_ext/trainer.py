@@ -24,6 +24,7 @@ from .distributed.deepspeed_plugin import SteppedByEngine
 from .distributed.engine import Engine
 from .errors import ConfigError
 from .exact_eval import ExactEvalLossMixin
+from .foreign_accelerate import align_accelerate_state
 from .lean_step import LeanStepMixin
 from .trainer_checkpoints import CheckpointingMixin
 from .trainer_sharded import ShardedCheckpointMixin
@@ -194,6 +195,7 @@ class Trainer(
             gradient_accumulation_plugin_kwargs=grad_acc_kwargs,
             scaler_kwargs={"init_scale": args.fp16_init_scale, "growth_interval": args.fp16_growth_interval},
         )
+        align_accelerate_state(self.accelerator)  # TRL calls accelerate's free functions: they must see our ranks
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(
