@@ -31,7 +31,9 @@ class CheckpointError(Exception):
     """A checkpoint directory that must not be resumed from; the message says why."""
 
 
-def _files(directory: Path) -> dict[str, int]:
+def listed_files(directory: str | os.PathLike) -> dict[str, int]:
+    """The files a marker of ``directory`` lists, with their sizes: all of them but the marker and the save tag."""
+    directory = Path(directory)
     return {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*"))
@@ -57,7 +59,7 @@ def write_marker(
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown checkpoint kind {kind!r}: one of {', '.join(KINDS)}")
     out = Path(directory)
-    files = _files(out)
+    files = listed_files(out)
     known = {name: value for name, value in (crcs or {}).items() if name in files}
     known.update(checksums(out, (name for name in files if name not in known)))
     body = {
@@ -70,11 +72,13 @@ def write_marker(
         "crc32": {name: known[name] for name in files},
     }
     tmp = out / f".{COMPLETE}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    tmp.unlink(missing_ok=True)  # a leftover (or a planted link): created afresh, never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with open(fd, "w", encoding="utf-8") as handle:
         json.dump(seal(body), handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(tmp, out / COMPLETE)
+    os.replace(tmp, out / COMPLETE)  # a rename: a link named COMPLETE is replaced, not followed
     fsync_dir(out)
     return out / COMPLETE
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .durable import crc32
-from .marker import COMPLETE, LOOP, TRAINER, TRAINER_STATE, CheckpointError, read_marker
+from .marker import COMPLETE, LOOP, SAVING, TRAINER, TRAINER_STATE, CheckpointError, listed_files, read_marker
 from .safe_globals import numpy_rng_safe_globals
 
 # a Trainer checkpoint's weights: transformers' files (whole, sharded, adapter) or a strategy's own format
@@ -33,6 +36,21 @@ LOOP_STATE = "random_states_0.pkl"  # an Accelerator state: process 0's random s
 # pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
 _NOT_LOADED = {"training_args.bin"}
 _LATEST_MAX = 256  # bytes: DeepSpeed's ``latest`` holds a tag name such as ``global_step1200``
+SEAL_COMMAND = "trainer-ext checkpoint seal"  # re-checks a folder changed by hand and commits it afresh (.audit)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint folder, worded as the refusal says it; ``changed`` when a file differs
+    from what the marker recorded (missing, resized, other bytes, added): sealing fixes it if that was on purpose."""
+
+    text: str
+    changed: bool = False
+
+
+def seal_hint(directory: str | os.PathLike, done: str = "changed these files") -> str:
+    """What a refusal adds when the files differ from their marker: how to commit a deliberate change."""
+    return f"; if you {done} on purpose, run `{SEAL_COMMAND} {shlex.quote(os.fspath(directory))}`"
 
 
 # safetensors' words for what is wrong with a file it cannot open, and how we say it
@@ -176,7 +194,42 @@ def check_dcp_metadata(path: Path) -> None:
         ) from error
 
 
-def _inside(src: Path, name: Any) -> Path:
+def check_trainer_state(path: Path) -> None:
+    """``trainer_state.json`` must be what the Trainer reloads: an object, its ``global_step`` (0 when absent) a
+    non-negative integer."""
+    state = json.loads(path.read_text(encoding="utf-8"))
+    step = state.get("global_step", 0) if isinstance(state, dict) else None
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{path.name} is not a Trainer state (an object with a non-negative global_step)")
+
+
+def check_weight_index(src: Path, path: Path) -> None:
+    """A sharded weights index (``*.index.json``): every tensor it maps is in a shard inside ``src`` that holds it.
+
+    A safetensors shard's header is read for its tensor names; a pickled shard is only required to exist.
+    """
+    index = json.loads(path.read_text(encoding="utf-8"))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path.name} is not a weights index (no weight_map of tensor names to shard files)")
+    shards: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(tensor, str) or not isinstance(shard, str):
+            raise CheckpointError(f"{path.name} maps {tensor!r} to {shard!r}: not a tensor name and a shard file")
+        shards.setdefault(shard, []).append(tensor)
+    for shard, tensors in sorted(shards.items()):
+        file = _inside(src, shard, listed_by=path.name)
+        if file.is_symlink() or not file.is_file():
+            raise CheckpointError(f"{path.name} names {shard}, which is not a file of the checkpoint")
+        if file.suffix != ".safetensors":
+            continue
+        absent = sorted(set(tensors) - set(check_safetensors(file)))
+        if absent:
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            raise CheckpointError(f"{path.name} places {absent[0]}{more} in {shard}, which does not hold it")
+
+
+def _inside(src: Path, name: Any, listed_by: str = COMPLETE) -> Path:
     """``src / name`` for a marker's file name; CheckpointError unless it is a relative path inside ``src``."""
     path = src / name if isinstance(name, str) and name else None
     if (
@@ -186,7 +239,7 @@ def _inside(src: Path, name: Any) -> Path:
         or not path.resolve().is_relative_to(src.resolve())
     ):
         raise CheckpointError(
-            f"{COMPLETE} lists {name!r}, which is not a file inside the checkpoint: corrupted or crafted"
+            f"{listed_by} lists {name!r}, which is not a file inside the checkpoint: corrupted or crafted"
         )
     return path
 
@@ -211,6 +264,96 @@ def check_contents(directory: str | os.PathLike, kind: str | None) -> None:
         raise CheckpointError(f"is missing {' and '.join(missing)}: not a whole {kind} checkpoint")
 
 
+def _check_file(src: Path, path: Path) -> None:
+    """CheckpointError when ``path`` cannot be loaded safely, by what its loader would do with it."""
+    if path.suffix == ".safetensors":
+        check_safetensors(path)
+    elif path.name == ".metadata":
+        check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
+    elif path.name == "latest":
+        check_deepspeed_latest(path)
+    elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
+        check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
+        check_deepspeed_file(path)
+    elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
+        check_torch_file(path)
+    elif path.suffix == ".json":
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise CheckpointError(f"{path.name} is not valid JSON ({error})") from error
+        if path.name == TRAINER_STATE and path.parent == src:
+            check_trainer_state(path)
+        elif path.name.endswith(".index.json") and path.parent == src:
+            check_weight_index(src, path)
+
+
+def _problem(check: Callable[..., Any], *args: Any) -> Problem | None:
+    """``check(*args)``'s refusal as a Problem (a file that cannot be read is one too), None when it passes."""
+    try:
+        check(*args)
+    except CheckpointError as error:
+        return Problem(str(error))
+    except OSError as error:
+        return Problem(f"{Path(error.filename or '?').name} cannot be read ({error.strerror or error})")
+    return None
+
+
+def find_problems(
+    directory: str | os.PathLike,
+    marker: dict[str, Any],
+    *,
+    part: tuple[int, int] = (0, 1),
+    kind: str | None = None,
+    extra: bool = False,
+) -> Iterator[Problem]:
+    """Everything wrong with a checkpoint folder, in the order :func:`verify` refuses: the contents ``kind`` needs,
+    links, each file ``marker`` lists (``{}``: none), with ``extra`` the files it does not list, then each file's
+    loadability. A link is reported, never read through."""
+    src = Path(directory)
+    if (problem := _problem(check_contents, src, kind)) is not None:
+        yield problem
+    for path in sorted(p for p in src.rglob("*") if p.is_symlink()):  # rglob does not enter linked folders
+        yield Problem(
+            f"{path.relative_to(src)} is a symbolic link: a checkpoint holds plain files and folders only (a "
+            "link lets the loader read files nobody checked); replace it with what it points to"
+        )
+    files, crcs = marker.get("files") or {}, marker.get("crc32") or {}
+    differ = set()
+    for name, size in files.items():
+        try:
+            path = _inside(src, name)
+        except CheckpointError as error:
+            differ.add(name)
+            yield Problem(str(error))
+            continue
+        if path.is_symlink() or not path.is_file():
+            differ.add(name)
+            if not path.is_symlink():  # a link is reported above
+                yield Problem(f"{name} is missing (listed in {COMPLETE})", changed=True)
+        elif path.stat().st_size != size:
+            differ.add(name)
+            yield Problem(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)", changed=True)
+    index, count = part
+    for name, expected in sorted(crcs.items())[index::count]:
+        if name in differ:
+            continue
+        try:
+            same = crc32(src / name) == expected
+        except OSError as error:
+            yield Problem(f"{name} cannot be read ({error.strerror or error})")
+            continue
+        if not same:
+            yield Problem(f"{name} does not match its checksum in {COMPLETE} (corrupted after it was written)", True)
+    if extra:
+        for name in sorted(set(listed_files(src)) - set(files)):
+            if not any(p.is_symlink() for p in (src / name, *(src / name).parents)):  # links: reported above
+                yield Problem(f"{name} is not listed in {COMPLETE} (added after it was written)", changed=True)
+    for path in sorted(src.rglob("*")):
+        if not path.is_symlink() and path.is_file() and (problem := _problem(_check_file, src, path)) is not None:
+            yield problem
+
+
 def verify(
     directory: str | os.PathLike,
     *,
@@ -222,6 +365,7 @@ def verify(
     needs (``kind``, else the marker's), every file it loads readable safely.
 
     ``part=(i, n)``: checksum only every n-th committed file from the i-th, so n processes share the reading.
+    A refusal caused by files that differ from their marker says how to commit them (:data:`SEAL_COMMAND`).
     """
     src = Path(directory)
     if src.is_symlink():
@@ -232,43 +376,12 @@ def verify(
     marker = read_marker(src)
     if marker is None:
         if require_marker:
-            raise CheckpointError(f"no {COMPLETE} marker (missing, or interrupted while saving)")
-        marker = {}
-    check_contents(src, kind or marker.get("kind"))
-    for path in src.rglob("*"):  # rglob does not enter linked folders: their files would go unchecked
-        if path.is_symlink():
+            unfinished = (src / SAVING).exists()  # a save that died: nothing to seal
             raise CheckpointError(
-                f"{path.relative_to(src)} is a symbolic link: a checkpoint holds plain files and folders only (a "
-                "link lets the loader read files nobody checked); replace it with what it points to"
+                f"no {COMPLETE} marker (missing, or interrupted while saving)"
+                + ("" if unfinished else seal_hint(src, "removed it"))
             )
-    files, crcs = marker.get("files") or {}, marker.get("crc32") or {}
-    for name, size in files.items():
-        path = _inside(src, name)
-        if not path.is_file():
-            raise CheckpointError(f"{name} is missing (listed in {COMPLETE})")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"{name} has {path.stat().st_size} bytes, {size} when committed (truncated?)")
-    index, count = part
-    for name, expected in sorted(crcs.items())[index::count]:
-        if crc32(src / name) != expected:
-            raise CheckpointError(f"{name} does not match its checksum in {COMPLETE} (corrupted after it was written)")
-    for path in sorted(src.rglob("*")):
-        if not path.is_file():
-            continue
-        if path.suffix == ".safetensors":
-            check_safetensors(path)
-        elif path.name == ".metadata":
-            check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
-        elif path.name == "latest":
-            check_deepspeed_latest(path)
-        elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
-            check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
-            check_deepspeed_file(path)
-        elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
-            check_torch_file(path)
-        elif path.suffix == ".json":
-            try:
-                json.loads(path.read_text(encoding="utf-8"))
-            except ValueError as error:
-                raise CheckpointError(f"{path.name} is not valid JSON ({error})") from error
+        marker = {}
+    for problem in find_problems(src, marker, part=part, kind=kind or marker.get("kind")):
+        raise CheckpointError(problem.text + (seal_hint(src) if problem.changed else ""))
     return marker

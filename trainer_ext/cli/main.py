@@ -49,6 +49,10 @@ COMMANDS: dict[str, Command] = {
         "per-rank memory of a train job before it runs (--measure: checked by two real steps)",
         "trainer_ext.cli.estimate:run_estimate",
     ),
+    "checkpoint": Command(
+        "check a checkpoint against its marker (verify DIR), or commit files changed on purpose (seal DIR)",
+        "trainer_ext.cli.checkpoint:run_checkpoint",
+    ),
 }
 
 
@@ -118,7 +122,8 @@ def run_train(argv: Sequence[str]) -> int:
 
 def _usage() -> str:
     lines = ["usage: trainer-ext <command> [flags]", "", "commands:"]
-    lines += [f"  {name:<8} {command.help}" for name, command in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {command.help}" for name, command in COMMANDS.items()]
     lines += ["", "Run 'trainer-ext <command> --help' for the flags of a command."]
     return "\n".join(lines)
 
