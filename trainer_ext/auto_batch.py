@@ -1,7 +1,7 @@
 """``--auto_find_batch_size`` without accelerate, and without changing the run.
 
-transformers restarts its whole training loop with half the batch on an out-of-memory error, which halves the
-global batch and restarts the schedule. Here the dataloader keeps its batch: a micro-batch that runs out of
+transformers (accelerate's ``find_executable_batch_size``) restarts its whole training loop with 0.9 times the
+per-device batch on an out-of-memory error, which shrinks the global batch and restarts the schedule. Here the dataloader keeps its batch: a micro-batch that runs out of
 memory is run again as row chunks (half, a quarter … of it), each chunk one more accumulation step, so the
 global batch, the data order, the schedule and the loss curve stay those of the configured run. The chunk
 size is kept for the rest of the run and recorded as ``state.train_batch_size``, so a resume starts at it.
