@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from tests.checkpointing import seal_job
 from tests.helpers.jobs import StopAt, make_args, weights
-from tests.helpers.ranks import child_env
+from tests.helpers.ranks import child_env, run_ranks
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE
@@ -255,3 +257,24 @@ def test_exit_codes_from_the_command_line(run_dir: Path) -> None:
     assert run("verify", folder).returncode == 0
     bad = run("seal", folder / "config.json")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.distributed
+def test_a_two_process_checkpoint_resharded_and_sealed_without_its_marker_resumes_on_two_processes(
+    tmp_path: Path, capsys
+) -> None:
+    """The marker gone too: seal reads the process count from the per-rank RNG files; the resume is bitwise."""
+    run_ranks(seal_job, 2, str(tmp_path), "first")
+    folder = tmp_path / "run" / "checkpoint-4"
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in folder.iterdir()}
+    _reshard(folder)
+    (folder / COMPLETE).unlink()
+    code, out, _ = _cli(capsys, "seal", folder)
+    assert code == 0, out
+    marker = read_marker(folder)
+    assert (marker["world_size"], marker["step"], marker["kind"]) == (2, 4, "trainer")
+    run_ranks(seal_job, 2, str(tmp_path), "resume")
+    full, resumed = load_file(tmp_path / "full.safetensors"), load_file(tmp_path / "resumed.safetensors")
+    assert full.keys() == resumed.keys()
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
