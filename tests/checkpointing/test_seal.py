@@ -24,7 +24,7 @@ from tests.checkpointing import seal_job
 from tests.helpers.jobs import StopAt, make_args, weights
 from tests.helpers.ranks import child_env, run_ranks
 from tests.helpers.tiny import lm_dataset, tiny_llama
-from trainer_ext import Trainer
+from trainer_ext import Accelerator, Trainer
 from trainer_ext.checkpointing import COMPLETE
 from trainer_ext.checkpointing.marker import SAVING, read_marker, write_marker
 from trainer_ext.cli.main import main
@@ -157,6 +157,25 @@ def test_a_damaged_marker_is_reported_and_replaced(run_dir: Path, capsys) -> Non
     assert _cli(capsys, "seal", folder)[0] == 0
     assert read_marker(folder)["step"] == 2
     assert _cli(capsys, "verify", folder)[0] == 0
+
+
+def test_an_accelerator_state_without_its_marker_is_sealed_and_loads(tmp_path: Path, capsys) -> None:
+    accelerator = Accelerator(cpu=True, seed=0)
+    model = tiny_llama(0)
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    folder = Path(accelerator.save_state(tmp_path / "state"))
+    saved = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    (folder / COMPLETE).unlink()
+    with pytest.raises(ConfigError, match=rf"no COMPLETE marker.*if you removed the marker on purpose, run `{SEAL} "):
+        accelerator.load_state(folder)
+    code, out, _ = _cli(capsys, "seal", folder)
+    assert code == 0 and "(loop checkpoint, 1 process;" in out, out
+    accelerator.load_state(folder)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
 
 
 def _link_optimizer(folder: Path) -> None:

@@ -74,11 +74,14 @@ def _folder(directory: str | os.PathLike) -> Path:
 
 
 def guess_kind(directory: str | os.PathLike) -> str | None:
-    """The kind of checkpoint a folder without a valid marker looks like: its state or weights, else None."""
+    """The kind of checkpoint a folder without a valid marker looks like, by its state file (an Accelerator state
+    holds a ``model.safetensors`` too), else by its weights; None when it has neither."""
     src = Path(directory)
-    if (src / TRAINER_STATE).is_file() or any((src / name).is_file() for name in WEIGHTS):
+    if (src / TRAINER_STATE).is_file():
         return TRAINER
-    return LOOP if (src / LOOP_STATE).is_file() else None
+    if (src / LOOP_STATE).is_file():
+        return LOOP
+    return TRAINER if any((src / name).is_file() for name in WEIGHTS) else None
 
 
 def _unmarked_kind(src: Path) -> str:

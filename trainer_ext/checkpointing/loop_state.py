@@ -30,6 +30,7 @@ from . import sharded as sharded_checkpoint
 from .durable import flush_tree, fsync_dir
 from .marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker, remove_marker, write_marker
 from .together import own_checksums, verify_together
+from .verification import seal_hint
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
 logger = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ def _complete(final: Path) -> Path:
     raise ConfigError(
         f"{str(final)!r} is not a complete checkpoint (no {COMPLETE} marker: missing or interrupted while "
         "saving); pick another checkpoint directory"
+        + (seal_hint(final, "removed the marker") if final.is_dir() else "")
     )
 
 

@@ -95,12 +95,11 @@ def _seal(directory: str) -> int:
         print(f"{directory} already verifies ({what}): marker left as it is")
         return EXIT_OK
     files = len(sealed.marker["files"])
-    facts = (
-        "the run's facts kept from the previous marker"
-        if sealed.facts_kept
-        else "no valid previous marker: the process count read from the per-rank files, and resuming on another "
-        "number of processes is refused"
-    )
+    facts = "the run's facts kept from the previous marker"
+    if not sealed.facts_kept:
+        facts = "no valid previous marker: the process count read from the per-rank files"
+        if sealed.marker.get("kind") == "trainer":  # no batch sizes to match another process count against
+            facts += ", and the Trainer resumes it on that number of processes only"
     print(f"sealed {directory}: {files} files committed ({what}; {facts})")
     return EXIT_OK
 
