@@ -36,7 +36,6 @@ class CheckpointingMixin:
     """Mix in before ``transformers.Trainer``: atomic checkpoints, verified resume, preemption."""
 
     _preemption: PreemptionCallback | None = None
-    _rotation_limit: int | None = None
     _resolved_resume: tuple[Any, str | None] | None = None  # (request, checkpoint) of the last resolve_resume
 
     def _install_preemption(self) -> PreemptionCallback | None:
@@ -60,12 +59,11 @@ class CheckpointingMixin:
         resume = self.resolve_resume(resume_from_checkpoint)
         self._resolved_resume = None  # a later train() looks again (new checkpoints may exist by then)
         preemption = self._install_preemption()
-        self._rotation_limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
+        limit = self.args.save_total_limit
         try:
             result = super().train(resume, *args, **kwargs)
         finally:
-            self.args.save_total_limit, self._rotation_limit = self._rotation_limit, None
+            self.args.save_total_limit = limit  # a preemption's save leaves it None until here (_save_checkpoint)
             if preemption is not None and preemption.preempted_at is None:
                 preemption.flag.restore()  # also when train() raised: SIGTERM must kill the process again
         if preemption is not None and preemption.preempted_at is not None:
@@ -206,15 +204,18 @@ class CheckpointingMixin:
         sharded_checkpoint.check_shapes(path.name, saved, expected, must_have=())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process)."""
+        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process).
+
+        ``save_total_limit`` stays set otherwise, so transformers' end of training keeps only the best checkpoint
+        when the limit is 1 (as stock does), and callbacks read the user's value.
+        """
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
         if self.args.should_save:
             marker.remove_marker(folder)  # an older save of the same step is no longer complete
             marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
         _barrier(self)
-        given = self.args.save_total_limit  # None inside train(), which keeps the limit in _rotation_limit
-        limit = given if given is not None else self._rotation_limit
-        self.args.save_total_limit = None
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
         try:
             super()._save_checkpoint(model, trial)
             flush_tree(folder)  # this rank's data reaches the disk before the marker can
@@ -222,7 +223,11 @@ class CheckpointingMixin:
             self._raise_if_disk_full(error, folder)
             raise
         finally:
-            self.args.save_total_limit = given
+            # At the end of training transformers deletes every checkpoint but the best when the limit is 1; a
+            # preempted run has not ended, so its last checkpoint must stay: train() restores the limit afterwards.
+            preempted = self._preemption is not None and self._preemption.preempted_at is not None
+            if not (preempted and getattr(self, "is_in_train", False)):
+                self.args.save_total_limit = limit
         _barrier(self)  # every rank's files are written
         crcs = together.own_checksums(folder)  # each rank reads back the per-rank files it wrote
         if self.args.should_save:
