@@ -5,7 +5,8 @@ TRL calls accelerate's free functions directly (``accelerate.utils.gather``, ``g
 accelerate's global ``PartialState``/``AcceleratorState``, which nothing sets up when our engine replaces
 ``Accelerator``: they would see one process (rank 1 gathers nothing) or refuse to run. When accelerate is already
 loaded in this process (trainer_ext never imports it), an ``accelerate.Accelerator`` is made once over the process
-group our state already started, so those functions see the same processes, ranks and device as the engine.
+group our state already started, so those functions see the same processes, ranks and device as the engine. A
+``PartialState`` that a library made earlier and that counts other processes than ours is reset first.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ def align_accelerate_state(engine: Any) -> bool:
     states = sys.modules.get("accelerate.state")
     if accelerate is None or states is None or not hasattr(accelerate, "Accelerator"):
         return False
-    if getattr(states.AcceleratorState, "_shared_state", None):
+    partial = getattr(states.PartialState, "_shared_state", None) or {}
+    if partial and partial.get("num_processes") != engine.num_processes:
+        # set up before our engine and wrongly: TRL asks PartialState() for the device while it loads the model, and
+        # on a CPU launch without --use_cpu accelerate then sees one process; start again from ours
+        states.AcceleratorState._reset_state(reset_partial_state=True)
+    elif getattr(states.AcceleratorState, "_shared_state", None):
         return False  # a script's own Accelerator, or an earlier call, set it up
     threads = torch.get_num_threads()  # accelerate picks its own count on CPU when OMP_NUM_THREADS is unset
     cpu = engine.device.type == "cpu"

@@ -17,7 +17,11 @@ from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 
 
-def main(out: Path) -> None:
+def main(out: Path, early: bool) -> None:
+    if early:
+        from accelerate.state import PartialState
+
+        assert PartialState().device.type == "cpu"
     args = TrainingArguments(output_dir=str(out / "run"), report_to="none", max_steps=1, per_device_train_batch_size=2)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=lm_dataset(8))
     rank = trainer.args.process_index
@@ -39,4 +43,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:] == ["early"])

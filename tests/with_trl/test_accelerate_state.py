@@ -13,8 +13,9 @@ pytest.importorskip("accelerate")
 from tests.helpers.ranks import run_ranks  # noqa: E402
 
 
-def test_accelerates_free_functions_see_our_processes(tmp_path: Path) -> None:
-    run_ranks("tests.with_trl.accelerate_state_job", 2, str(tmp_path))
+@pytest.mark.parametrize("early", [False, True], ids=["untouched", "set-up-early-by-a-library"])
+def test_accelerates_free_functions_see_our_processes(tmp_path: Path, early: bool) -> None:
+    run_ranks("tests.with_trl.accelerate_state_job", 2, str(tmp_path), *(["early"] if early else []))
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["engine"] == "Engine"
     assert got["gather"] == [0.0, 1.0, 10.0, 11.0]
