@@ -105,7 +105,7 @@ def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batc
     common = dict(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_steps=save_steps,
-        report_to="none", seed=42, use_cpu=True, bf16=False, dataloader_drop_last=True,
+        report_to="none", seed=42, bf16=False, dataloader_drop_last=True,
     )  # fmt: skip
     if kind.startswith("sft"):
         Trainer, config = trl.SFTTrainer, trl.SFTConfig
