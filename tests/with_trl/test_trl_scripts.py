@@ -69,15 +69,14 @@ def _flags(case: str, out: Path, max_steps: int = 4) -> list[str]:
     ]  # fmt: skip
 
 
-@cache
-def _run(case: str, impl: str, nproc: int, resume: bool = False) -> Path:
-    """One run of ``case``'s script; its output folder. ``resume``: from a copy of ours' checkpoint-2."""
+def _start(case: str, impl: str, nproc: int, resume: bool = False) -> tuple[subprocess.Popen, list[str], Path]:
+    """Start one run of ``case``'s script. ``resume``: from a copy of ours' uninterrupted checkpoint-2."""
     script = CASES[case][0]
     out = _fixtures().parent / case / f"{impl}-{nproc}{'-resumed' if resume else ''}"
     shutil.rmtree(out, ignore_errors=True)
     flags = _flags(case, out)
     if resume:
-        shutil.copytree(_run(case, "ours", nproc) / "checkpoint-2", out / "checkpoint-2")
+        shutil.copytree(_pair(case, nproc)[1] / "checkpoint-2", out / "checkpoint-2")
         flags += ["--resume_from_checkpoint", str(out / "checkpoint-2")]
     module = ["-m", f"trl.scripts.{script}", *flags]
     if impl == "stock":
@@ -89,11 +88,30 @@ def _run(case: str, impl: str, nproc: int, resume: bool = False) -> Path:
         cmd = [str(BIN / "trainer-ext"), "launch", "--num_processes", str(nproc), "--swap_trainer", *module]
     env = child_env()
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, cmd, out
+
+
+def _finish(started: tuple[subprocess.Popen, list[str], Path]) -> Path:
+    proc, cmd, out = started
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return out
+
+
+@cache
+def _pair(case: str, nproc: int) -> tuple[Path, Path]:
+    """Stock's and ours' output folders; one-process runs side by side (one core each), two-process ones in turn."""
+    if nproc == 1:
+        both = [_start(case, "stock", 1), _start(case, "ours", 1)]
+        try:
+            return _finish(both[0]), _finish(both[1])
+        finally:
+            for proc, _, _ in both:
+                if proc.poll() is None:  # the other failed first: do not leave this one running
+                    proc.kill()
+                    proc.wait()
+    return _finish(_start(case, "stock", nproc)), _finish(_start(case, "ours", nproc))
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -115,7 +133,7 @@ def _assert_weights_close(a: Path, b: Path, atol: float) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_script_runs_unmodified_on_our_engine_as_stock(case: str, nproc: int) -> None:
-    stock, ours = _run(case, "stock", nproc), _run(case, "ours", nproc)
+    stock, ours = _pair(case, nproc)
     assert (ours / "checkpoint-4" / MARKER).is_file() and not (stock / "checkpoint-4" / MARKER).exists()
     assert _files(ours) == _files(stock)
     stock_losses, our_losses = _losses(stock), _losses(ours)
@@ -130,6 +148,6 @@ def test_script_runs_unmodified_on_our_engine_as_stock(case: str, nproc: int) ->
 @pytest.mark.parametrize("case", ["sft", "dpo", "grpo"])
 def test_resumed_script_ends_bitwise_equal_to_the_uninterrupted_run(case: str) -> None:
     nproc = 2
-    full, resumed = _run(case, "ours", nproc), _run(case, "ours", nproc, resume=True)
+    full, resumed = _pair(case, nproc)[1], _finish(_start(case, "ours", nproc, resume=True))
     _assert_weights_close(resumed, full, 0.0)
     assert {k: v for k, v in _losses(resumed).items() if k > 2} == {k: v for k, v in _losses(full).items() if k > 2}
