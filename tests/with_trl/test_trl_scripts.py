@@ -3,11 +3,13 @@
 Each script runs as users run it, on a tiny local model and local rows (``script_fixtures``). ``ours`` is
 ``trainer-ext launch [--num_processes 2] --swap_trainer -m trl.scripts.X`` with the script's flags, never
 ``--use_cpu``. ``stock`` is ``python -m trl.scripts.X`` (TRL + accelerate), and for two processes ``torchrun
---nproc_per_node 2 -m trl.scripts.X --use_cpu true``: without ``--use_cpu`` stock does not train data-parallel on
-CPU (transformers warns "process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED" and each
-process trains alone on all the rows, as one process would), which ours does. The per-step losses and the final
-weights must agree, and the folders hold the same files but for our checkpoint marker. A run resumed from its
-checkpoint-2 ends bitwise equal to the uninterrupted one.
+--nproc_per_node 2 -m trl.scripts.X --use_cpu true``. Both start through this interpreter (``python -m
+torch.distributed.run``, ``python -m trainer_ext launch``): a copied environment's console scripts name the
+original's interpreter. Without ``--use_cpu`` stock does not train data-parallel on CPU (transformers warns
+"process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED" and each process trains alone on all
+the rows, as one process would), which ours does. The per-step losses and the final weights must agree, and the
+folders hold the same files but for our checkpoint marker. A run resumed from its checkpoint-2 ends bitwise equal
+to the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from tests.helpers.ranks import child_env  # noqa: E402
 from tests.with_trl import script_fixtures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 REWARD = "tests.with_trl.script_fixtures.length_reward"
 ONLINE = ["--reward_funcs", REWARD, "--num_generations", "2", "--max_completion_length", "4"]
 # name -> (TRL script, rows, the script's own flags for this case)
@@ -83,9 +84,10 @@ def _start(case: str, impl: str, nproc: int, resume: bool = False) -> tuple[subp
         if nproc == 1:
             cmd = [sys.executable, *module]
         else:
-            cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *module, "--use_cpu", "true"]
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            cmd = [*torchrun, *module, "--use_cpu", "true"]
     else:
-        cmd = [str(BIN / "trainer-ext"), "launch", "--num_processes", str(nproc), "--swap_trainer", *module]
+        cmd = [sys.executable, "-m", "trainer_ext", "launch", "--num_processes", str(nproc), "--swap_trainer", *module]
     env = child_env()
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
