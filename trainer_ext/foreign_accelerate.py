@@ -21,6 +21,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def accelerate_state_set_up() -> bool:
+    """Whether accelerate is loaded and its global ``PartialState`` set up (by a script, a library, or us)."""
+    states = sys.modules.get("accelerate.state")
+    return bool(getattr(getattr(states, "PartialState", None), "_shared_state", None))
+
+
 def align_accelerate_state(engine: Any) -> bool:
     """Set up accelerate's global state from ``engine``'s when accelerate is loaded and its state is not set up yet;
     True when it was set up here. Our engine keeps doing the work: accelerate's object is only read."""
@@ -28,7 +34,7 @@ def align_accelerate_state(engine: Any) -> bool:
     states = sys.modules.get("accelerate.state")
     if accelerate is None or states is None or not hasattr(accelerate, "Accelerator"):
         return False
-    partial = getattr(states.PartialState, "_shared_state", None) or {}
+    partial = states.PartialState._shared_state if accelerate_state_set_up() else {}
     if partial and partial.get("num_processes") != engine.num_processes:
         # set up before our engine and wrongly: TRL asks PartialState() for the device while it loads the model, and
         # on a CPU launch without --use_cpu accelerate then sees one process; start again from ours

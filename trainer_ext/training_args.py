@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +25,7 @@ from .distributed.rules import check_precision, claim_world
 from .distributed.state import DistributedType, DistState, detect_topology
 from .distributed.strategies.deepspeed import DeepSpeedStrategy
 from .errors import ConfigError
+from .foreign_accelerate import accelerate_state_set_up
 
 _compat.check_transformers_version()
 logger = logging.getLogger(__name__)
@@ -358,8 +358,7 @@ class TrainingArguments(transformers.TrainingArguments):
             return
         if dist.is_available() and dist.is_initialized():
             return  # our DistState (an Accelerator's, earlier arguments'), accelerate's or the script's own group
-        accelerate_state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
-        if getattr(accelerate_state, "_shared_state", None):
+        if accelerate_state_set_up():
             return  # a script's accelerate.PartialState/Accelerator: what transformers accepts
         raise ConfigError(
             "accelerator_config use_configured_state=True needs a distributed state set up before TrainingArguments "
