@@ -151,6 +151,25 @@ def test_skip_batches(skip: int, ws: int, even: bool, drop_last: bool) -> None:
         assert len(shard) == max(0, len(full) - skip)
 
 
+@pytest.mark.parametrize("ws", [2, 3])
+def test_shard_reads_a_shared_generator_to_the_end_under_drop_last(ws: int) -> None:
+    """The dropped last round is still read: a RandomSampler draws its next permutation from the shared generator
+    only when it runs out, so each epoch's order depends on it (as in accelerate, which reads the sampler through)."""
+    shared, whole = torch.Generator().manual_seed(42), torch.Generator().manual_seed(42)
+    shards = [
+        BatchSamplerShard(BatchSampler(RandomSampler(range(22), generator=shared), 4, True), ws, r) for r in range(ws)
+    ]
+    reference = BatchSampler(RandomSampler(range(22), generator=whole), 4, True)
+    for _epoch in range(3):
+        expected = list(reference)  # 5 batches: the rounds of ws, the rest dropped
+        for rank, shard in enumerate(shards):
+            generator_before = shared.get_state()
+            assert list(shard) == expected[rank : (5 // ws) * ws : ws]
+            if rank < ws - 1:
+                shared.set_state(generator_before)  # every rank reads the same epoch
+        assert torch.equal(shared.get_state(), whole.get_state())
+
+
 def test_shard_set_epoch_reaches_the_sampler() -> None:
     sampler = SeedableRandomSampler(range(10), seed=3)
     shard = BatchSamplerShard(BatchSampler(sampler, 2, False), 2, 0)

@@ -172,10 +172,11 @@ class BatchSamplerShard:
         mine = skip if fast else 0
         rounds = self._total_batches() // ws if ws > 1 and self.drop_last else None
         for i, batch in enumerate(batches, start=skip * ws if fast else 0):
-            if ws > 1 and i % ws != rank:
+            # past the last whole round (drop_last), read on without yielding, as accelerate does: a RandomSampler
+            # draws its next permutation from the shared generator only when it runs out, and the next epoch's
+            # order depends on that draw
+            if ws > 1 and i % ws != rank or rounds is not None and i // ws >= rounds:
                 continue
-            if rounds is not None and i // ws >= rounds:
-                return
             if mine >= skip:
                 yield batch
             mine += 1
