@@ -14,10 +14,12 @@ NPROCS = (1, 2)
 
 @dataclass(frozen=True)
 class Spec:
-    """``phases``: played by both implementations; ``ours_only``: phases that only trainer_ext can play."""
+    """``phases``: played by both implementations; ``ours_only``: phases that only trainer_ext can play;
+    ``nprocs``: the process counts it runs on."""
 
     phases: tuple[str, ...] = ("run",)
     ours_only: tuple[str, ...] = ()
+    nprocs: tuple[int, ...] = NPROCS
 
     def phases_for(self, impl: str) -> tuple[str, ...]:
         return self.phases + (self.ours_only if impl == "ours" else ())
@@ -42,8 +44,12 @@ SCENARIOS: dict[str, Spec] = {
     "iterable_dataset": Spec(("dispatch", "read_by_every_rank")),
     "split_batches": Spec(),
     "dispatch_batches": Spec(),
+    "shuffle_drop_last": Spec(nprocs=(1, 2, 3)),
     "resume_iterable": Spec(RESUME, ours_only=("resumed_by_load_state",)),
     "resume_iterable_read_by_every_rank": Spec(RESUME, ours_only=("resumed_by_load_state",)),
     "deepspeed_config_support": Spec(("config_blocks", "torch_objects")),
     "fsdp_plugin": Spec(("full_shard", "shard_grad_op")),
 }
+
+CASES = [(name, nproc) for name, spec in SCENARIOS.items() for nproc in spec.nprocs]
+ALL_NPROCS = tuple(sorted({nproc for _, nproc in CASES}))

@@ -27,7 +27,7 @@ from typing import Any
 
 from tests.helpers import forked_ranks
 
-from .registry import IMPLS, NPROCS, SCENARIOS
+from .registry import ALL_NPROCS, IMPLS, SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
 # A phase takes 4 to 18 s (two runs side by side on 2 cores), up to ~50 s while CI's other steps share the cores;
@@ -167,7 +167,7 @@ def run_scenario(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=list(SCENARIOS))
-    parser.add_argument("--nproc", type=int, default=1, choices=NPROCS)
+    parser.add_argument("--nproc", type=int, default=1, choices=ALL_NPROCS)
     parser.add_argument("--impl", required=True, choices=IMPLS)
     parser.add_argument("--out", help="the JSON result (tensors go to OUT_STEM.files/ beside it)")
     parser.add_argument("--batch", nargs="+", metavar="SCENARIO:NPROC", help="several cases, ranks forked (see above)")

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .compare import Report, compare, load
-from .registry import IMPLS, NPROCS, SCENARIOS
+from .registry import ALL_NPROCS, CASES, IMPLS
 from .run import PHASE_TIMEOUT_S, ROOT, result_path
 
 
@@ -69,13 +69,16 @@ def table(reports: dict[tuple[str, int], Report]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", action="append", default=[], help="only the scenarios whose name contains this")
-    parser.add_argument("--nproc", type=int, action="append", choices=NPROCS, help="only this process count")
+    parser.add_argument("--nproc", type=int, action="append", choices=ALL_NPROCS, help="only this process count")
     parser.add_argument("--outdir", help="where the results go (default: a temporary folder, kept)")
     parser.add_argument("--jobs", type=int, default=2, help="batches at a time (one per implementation: 1 or 2)")
     parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
     options = parser.parse_args(argv)
-    names = [n for n in SCENARIOS if not options.k or any(k in n for k in options.k)]
-    cases = [(name, nproc) for name in names for nproc in options.nproc or NPROCS]
+    cases = [
+        (name, nproc)
+        for name, nproc in CASES
+        if (not options.k or any(k in name for k in options.k)) and (not options.nproc or nproc in options.nproc)
+    ]
     outdir = Path(options.outdir or tempfile.mkdtemp(prefix="accparity-results-"))
     started = time.perf_counter()
     reports = run_many(cases, outdir, options.jobs, options.timeout)

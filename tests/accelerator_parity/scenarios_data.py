@@ -42,13 +42,13 @@ def _length(dataloader: Any) -> int | None:
         return None
 
 
-def _build(ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True) -> tuple:
+def _build(ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True, drop_last: bool = False) -> tuple:
     """The examples' set-up; a stream's scheduler is sized from the known number of samples, as a script would."""
     ctx.api.set_seed(SEED)
     if stream:
         train_dl = DataLoader(RegressionStream(TRAIN_N), batch_size=BATCH)
     else:
-        train_dl = loader(TRAIN_N, BATCH, shuffle=shuffle)
+        train_dl = loader(TRAIN_N, BATCH, shuffle=shuffle, drop_last=drop_last)
     eval_dl = loader(EVAL_N, BATCH, seed=99)
     model = RegressionModel()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -60,9 +60,11 @@ def _build(ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True) -
     return prepared
 
 
-def _train(ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True) -> None:
-    model, optimizer, train_dl, eval_dl, scheduler = _build(ctx, accelerator, stream, shuffle)
-    for epoch in range(EPOCHS):
+def _train(
+    ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True, epochs: int = EPOCHS, **kw: Any
+) -> None:
+    model, optimizer, train_dl, eval_dl, scheduler = _build(ctx, accelerator, stream, shuffle, **kw)
+    for epoch in range(epochs):
         model.train()
         trace = Epoch(ctx.rec, epoch)
         for batch in train_dl:
@@ -103,6 +105,12 @@ def dispatch_batches(ctx: Context) -> None:
     """``dispatch_batches=True`` on shuffled map-style data: 22 rows leave a last global batch of 6 on 2 processes
     (and an evaluation batch of 5 of 13)."""
     _train(ctx, _accelerator(ctx, dispatch_batches=True), stream=False)
+
+
+def shuffle_drop_last(ctx: Context) -> None:
+    """accelerate's examples' training loader: shuffled, ``drop_last=True``; 22 rows make 5 batches of 4, not a
+    multiple of 2 or 3 processes, so the last round is dropped; 4 epochs (each epoch's order follows the last)."""
+    _train(ctx, _accelerator(ctx), stream=False, drop_last=True, epochs=4)
 
 
 # The interruption over the stream: after this many batches (mid-epoch 0: batch 3 of 6, 1 of 3).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .registry import NPROCS, SCENARIOS
+from .registry import CASES
 from .run_all import run_many
 
 REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
@@ -33,8 +33,6 @@ pytestmark = [
         "run in the side venv (tests/accelerator_parity/README.md)",
     ),
 ]
-
-CASES = [(name, nproc) for name in SCENARIOS for nproc in NPROCS]
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,8 @@ class RegressionModel(nn.Module):
         return self.net(x)
 
 
-def loader(n: int, batch_size: int, shuffle: bool = False, seed: int = 1234) -> DataLoader:
-    return DataLoader(RegressionData(n, seed), batch_size=batch_size, shuffle=shuffle)
+def loader(n: int, batch_size: int, shuffle: bool = False, seed: int = 1234, drop_last: bool = False) -> DataLoader:
+    return DataLoader(RegressionData(n, seed), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
 
 
 def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
