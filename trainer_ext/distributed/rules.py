@@ -49,12 +49,11 @@ def check_fp8(device: torch.device) -> None:
         raise ConfigError("fp8 training uses torchao, which is not installed: pip install 'torchao>=0.10'")
 
 
-def check_world(world_size: int, strategy: str, *, launched: bool = True) -> None:
-    """The strategy named ``strategy`` runs on ``world_size`` processes (its class says how many it takes, and
-    whether one process needs a launcher: ``launched`` says whether one starts them)."""
+def check_world(world_size: int, strategy: str) -> None:
+    """The strategy named ``strategy`` runs on ``world_size`` processes (its class says how many it takes)."""
     found = STRATEGIES.get(strategy)
     if found is not None:
-        found.check_world(world_size, launched=launched)
+        found.check_world(world_size)
 
 
 def claim_world(state: DistState, strategy: str) -> None:

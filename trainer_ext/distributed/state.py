@@ -231,6 +231,7 @@ class DistState:
         self.owns_process_group = False
         self.single_process_group = False  # one process that uses a process group of its own (FSDP's mesh)
         self._host_group: tuple[Any, Any] | None = None  # (the default group it was made for, a gloo group)
+        self._saved_env: dict[str, str | None] = {}  # the launcher variables a group of one replaced
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if init and self.topology.is_distributed:
@@ -243,20 +244,44 @@ class DistState:
 
     def join_process_group(self) -> None:
         """Use a process group even for one process, as accelerate does under a launcher (FSDP2's device mesh and
-        ``torch.distributed.checkpoint`` need one): the existing group, or one made from the launcher's variables.
+        ``torch.distributed.checkpoint`` need one): the existing group, one made from the launcher's variables, or,
+        for a process no launcher started, a group of one on loopback (:meth:`_start_group_of_one`).
 
-        A no-op for several processes (their group starts with the state); ConfigError for one process that no
-        launcher started (there is no rendezvous to make a group from).
+        A no-op for several processes (their group starts with the state).
         """
         if self.topology.is_distributed or self.single_process_group:
             return
-        if not self.launched:
-            raise ConfigError(
-                "this job needs a process group and this process was started without a launcher: start it with "
-                "trainer-ext launch --num_processes 1 ... or torchrun --nproc_per_node 1 ..."
-            )
-        self._init_process_group()
+        if self.launched:
+            self._init_process_group()
+        else:
+            self._start_group_of_one()
         self.single_process_group = True
+
+    def _start_group_of_one(self) -> None:
+        """A group of world size 1 on a loopback store (a free port), with the variables torchrun would set, so
+        code that reads them later sees the same world; both are undone when this state destroys the group."""
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # port 0: a free one
+        values = {RANK: "0", LOCAL_RANK: "0", GROUP_RANK: "0", WORLD_SIZE: "1", LOCAL_WORLD_SIZE: "1"}
+        values |= {MASTER_ADDR: "127.0.0.1", MASTER_PORT: str(store.port)}
+        kwargs: dict = {"backend": self.backend, "store": store, "rank": 0, "world_size": 1}
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        self._saved_env = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        self.owns_process_group = True
+        atexit.register(self._destroy_at_exit)
+
+    def _restore_env(self) -> None:
+        """Put back the launcher variables :meth:`_start_group_of_one` set (a later state sees no launcher)."""
+        for key, value in getattr(self, "_saved_env", {}).items():  # a state unpickled from an older version has none
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
@@ -293,6 +318,7 @@ class DistState:
         if self.owns_process_group and dist.is_initialized():
             destroy_process_group()
         self.owns_process_group = False
+        self._restore_env()
 
     # -- who am I -----------------------------------------------------------------------------
     @property
@@ -380,12 +406,14 @@ class DistState:
             destroy_process_group()
         self.owns_process_group = False
         self._host_group = None
+        self._restore_env()
 
     # -- pickling: transformers saves ``args`` (which holds this state) into training_args.bin ----
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["owns_process_group"] = False
         state["_host_group"] = None  # a live group does not travel
+        state["_saved_env"] = {}  # nor the environment it replaced
         return state
 
     def __repr__(self) -> str:

@@ -57,7 +57,7 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
     )
     TrainJobArguments._refuse_combinations(flags)  # not whether deepspeed is installed: estimating needs none
     if fsdp_requested(flags.fsdp):
-        check_world(num_processes, "fsdp", launched=True)  # estimated for `trainer-ext launch --num_processes N`
+        check_world(num_processes, "fsdp")
         TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
 
 

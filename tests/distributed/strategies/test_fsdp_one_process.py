@@ -1,9 +1,8 @@
-"""FSDP2 on one process: allowed under a launcher (a process group of world size 1), refused without one.
+"""FSDP2 on one launched process (a process group of world size 1); test_fsdp_unlaunched.py covers one without.
 
 Launched (torchrun --nproc_per_node 1), the Trainer and the Accelerator train under FSDP2 on a 1-rank mesh to the
 weights and losses of the same job without FSDP, checkpoints are sharded and resume, and the final model is
-consolidated safetensors that ``from_pretrained`` loads. Started as plain ``python``, the job is refused with a
-message that says how to launch it.
+consolidated safetensors that ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -15,21 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from tests.distributed.strategies import fsdp_one_job
-from tests.distributed.strategies.fsdp_jobs import FSDP, STOP
+from tests.distributed.strategies.fsdp_jobs import STOP
 from tests.distributed.strategies.test_fsdp import PARITY_ATOL, _max_diff
 from tests.helpers.paths import CONFIGS, ROOT
 from tests.helpers.ranks import child_env, run_ranks
 from tests.helpers.tiny import tiny_llama
-from trainer_ext import Accelerator, TrainingArguments
-from trainer_ext.cli.main import main
-from trainer_ext.errors import ConfigError
-
-LAUNCH_HINT = "trainer-ext launch --num_processes 1"
 
 
 @pytest.fixture(scope="module")
@@ -131,53 +124,3 @@ def test_trainer_ext_launch_runs_fsdp_on_one_process(tmp_path: Path) -> None:
     assert (out / "checkpoint-2" / "model_sharded" / ".metadata").is_file()
     model = LlamaForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
-
-
-# --- without a launcher: refused, with what to do --------------------------------------------------------------------
-
-
-@pytest.fixture
-def unlaunched() -> None:
-    """No launcher variables (conftest removes them) and no process group left by another test."""
-    assert not dist.is_initialized()
-
-
-def test_training_arguments_refuse_fsdp_without_a_launcher(unlaunched: None, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="started without a launcher") as refused:
-        TrainingArguments(output_dir=str(tmp_path), **FSDP, use_cpu=True)
-    assert LAUNCH_HINT in str(refused.value) and "torchrun --nproc_per_node 1" in str(refused.value)
-    assert "drop --fsdp" in str(refused.value)
-    assert not dist.is_initialized()
-
-
-def test_accelerator_refuses_fsdp_config_without_a_launcher(unlaunched: None) -> None:
-    with pytest.raises(ConfigError, match="started without a launcher") as refused:
-        Accelerator(cpu=True, fsdp_config=FSDP["fsdp_config"])
-    assert LAUNCH_HINT in str(refused.value)
-
-
-def test_cli_train_fsdp_without_a_launcher_exits_2(
-    unlaunched: None, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    code = main(["train", "--output_dir", str(tmp_path / "out"), "--fsdp", "full_shard"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
-    assert "started without a launcher" in err and LAUNCH_HINT in err
-
-
-def test_launcher_variables_make_one_process_eligible(unlaunched: None) -> None:
-    """The rule itself (no process group made): one process needs a launcher, several are launched anyway."""
-    from trainer_ext.distributed.rules import check_world
-    from trainer_ext.distributed.state import DistState, detect_topology
-
-    with pytest.raises(ConfigError, match="started without a launcher"):
-        check_world(1, "fsdp", launched=False)
-    assert check_world(1, "fsdp", launched=True) is None and check_world(2, "fsdp", launched=False) is None
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    assert detect_topology(env).launched and not detect_topology({}).launched
-    assert DistState(detect_topology(env), cpu=True, init=False).launched
-    state = DistState(detect_topology({}), cpu=True, init=False)
-    assert not state.launched
-    with pytest.raises(ConfigError, match="without a launcher"):
-        state.join_process_group()
-    assert not dist.is_initialized()

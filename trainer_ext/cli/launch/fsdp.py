@@ -54,9 +54,8 @@ class FSDPPreview:
 def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: str) -> FSDPPreview:
     """Parse ``--fsdp``/``--fsdp_config`` as TrainingArguments will on ``world_size`` processes.
 
-    One ConfigError naming ``source`` and every problem: the processes FSDP cannot run on (one is fine: the
-    launcher starts it through torchrun, for a process group), each unknown key or bad value of the config,
-    ``NO_SHARD``.
+    One ConfigError naming ``source`` and every problem: the processes FSDP cannot run on, each unknown key or
+    bad value of the config, ``NO_SHARD``.
     """
     from ...distributed.fsdp_config import read_fsdp_config, read_fsdp_settings
     from ...distributed.rules import check_world
@@ -70,7 +69,7 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
             problems.append(str(error))
             return None
 
-    attempt(check_world, world_size, "fsdp")  # launched: started by this launcher
+    attempt(check_world, world_size, "fsdp")
     for key, value in (attempt(read_fsdp_config, config) or {}).items():
         attempt(read_fsdp_settings, True, {key: value})  # one key at a time: every mistake of a file is reported
     parsed = None if problems else attempt(read_fsdp_settings, fsdp, config)  # with the --fsdp words, as train will

@@ -40,10 +40,9 @@ class Strategy:
     max_processes: int | None = None
     too_few_processes = ""
     too_many_processes = ""
-    # its collectives need a process group even on one process (FSDP2's device mesh): one process must then be
-    # started by a launcher (torchrun, trainer-ext launch), whose rendezvous makes a group of world size 1
+    # its collectives need a process group even on one process (FSDP2's device mesh): the launcher's rendezvous
+    # makes one of world size 1, and a process started without a launcher makes its own (DistState)
     needs_process_group = False
-    not_launched = ""  # what check_world says for one process that no launcher started
 
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state
@@ -55,22 +54,17 @@ class Strategy:
         return cls(state, **{k: v for k, v in options.items() if k in cls.option_names})
 
     @classmethod
-    def check_world(cls, world_size: int, launched: bool = True) -> None:
-        """ConfigError when this strategy cannot run on ``world_size`` processes (the message says what to do).
-
-        ``launched``: a launcher started the processes (the launcher's own checks and ``estimate`` plan for it).
-        """
+    def check_world(cls, world_size: int) -> None:
+        """ConfigError when this strategy cannot run on ``world_size`` processes (the message says what to do)."""
         if world_size < cls.min_processes:
             raise ConfigError(cls.too_few_processes.format(world_size=world_size))
         if cls.max_processes is not None and world_size > cls.max_processes:
             raise ConfigError(cls.too_many_processes.format(world_size=world_size))
-        if cls.needs_process_group and world_size == 1 and not launched:
-            raise ConfigError(cls.not_launched)
 
     @classmethod
     def claim_world(cls, state: DistState) -> None:
         """Check that this strategy runs on ``state``'s processes, and give it the process group it needs."""
-        cls.check_world(state.num_processes, launched=state.launched)
+        cls.check_world(state.num_processes)
         if cls.needs_process_group:
             state.join_process_group()
 

@@ -69,14 +69,9 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     title = "FSDP"
-    # one process is fine under a launcher (a mesh of one rank: the code path and checkpoints of N GPUs, CPU
-    # offload on one GPU); without one there is no process group to build the mesh on
+    # one process trains on a mesh of one rank (the code path and checkpoints of N GPUs, CPU offload on one GPU):
+    # in the launcher's group of one, or in one the process starts itself when no launcher started it
     needs_process_group = True
-    not_launched = (
-        "FSDP needs a process group, and this process was started without a launcher: start it with "
-        "trainer-ext launch --num_processes 1 ... (or torchrun --nproc_per_node 1 ...) to run FSDP2 on one "
-        "process, or drop --fsdp (fsdp_config) to train it without sharding (a sharded checkpoint still resumes there)"
-    )
     option_names = ("settings", "mixed_precision")
 
     def __init__(
