@@ -157,6 +157,7 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         )
         state.deepspeed_plugin = ds_plugin
         state.fsdp_plugin = fsdp_view
+        state.mixed_precision, state.strategy_type = mode, self.engine.distributed_type  # for print(state)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.scheduler_counts_optimizer_steps = bool(scheduler_counts_optimizer_steps)

@@ -214,6 +214,10 @@ class DistState:
 
     deepspeed_plugin: Any = None  # accelerate's AcceleratorState.deepspeed_plugin: set by a DeepSpeed Accelerator
     fsdp_plugin: Any = None  # accelerate's AcceleratorState.fsdp_plugin: set by an FSDP Accelerator
+    # accelerate's AcceleratorState.mixed_precision, and the backend an Accelerator trains with (FSDP, DEEPSPEED …):
+    # set by an Accelerator, shown by str()
+    mixed_precision: str | None = None
+    strategy_type: DistributedType | None = None
 
     def __init__(
         self,
@@ -415,6 +419,24 @@ class DistState:
         state["_host_group"] = None  # a live group does not travel
         state["_saved_env"] = {}  # nor the environment it replaced
         return state
+
+    def __str__(self) -> str:
+        """The summary ``print(accelerator.state)`` shows under accelerate (its lines, our values); an Accelerator's
+        state adds the mixed precision (and DeepSpeed's config), as accelerate's AcceleratorState does."""
+        grouped = self.topology.is_distributed or self.single_process_group
+        backend = f"  Backend: {self.backend}" if grouped else ""
+        text = (
+            f"Distributed environment: {self.strategy_type or self.distributed_type}{backend}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
+        )
+        if self.mixed_precision is not None:
+            text += f"\nMixed precision type: {self.mixed_precision}\n"
+            if self.strategy_type == DistributedType.DEEPSPEED and self.deepspeed_plugin is not None:
+                text += f"ds_config: {self.deepspeed_plugin.deepspeed_config}\n"
+        return text
 
     def __repr__(self) -> str:
         t = self.topology
