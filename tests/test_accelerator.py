@@ -118,15 +118,23 @@ def test_tensorboard_and_mlflow_trackers_write_files(tmp_path: Path) -> None:
     assert list((tmp_path / "mlruns").rglob("loss"))
 
 
-def test_wandb_offline_tracker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_tracker_writes_under_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As under accelerate, wandb.init gets no ``dir``: the run lands in ./wandb, not in the logging directory."""
     if not TRACKERS["wandb"].available():
         pytest.skip("wandb not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    accelerator = Accelerator(cpu=True, log_with="wandb", project_dir=tmp_path)
-    accelerator.init_trackers("demo", config={"lr": 0.1}, init_kwargs={"wandb": {"mode": "offline"}})
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    project = tmp_path / "project"
+    accelerator = Accelerator(cpu=True, log_with="wandb", project_dir=project)
+    accelerator.init_trackers("demo", config={"lr": 0.1})
     accelerator.log({"loss": 0.5}, step=1)
     accelerator.end_training()
-    assert list(tmp_path.rglob("*.wandb"))
+    assert list((tmp_path / "wandb").rglob("*.wandb"))
+    assert not list(project.rglob("*.wandb"))
 
 
 def test_unknown_or_missing_tracker_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

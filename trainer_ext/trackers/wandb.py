@@ -1,4 +1,8 @@
-"""Weights & Biases; ``init_kwargs={"mode": "offline"}`` (or WANDB_MODE=offline) needs no network."""
+"""Weights & Biases; ``init_kwargs={"mode": "offline"}`` (or WANDB_MODE=offline) needs no network.
+
+As under accelerate, ``wandb.init`` gets the project and the user's ``init_kwargs`` only: runs land where wandb puts
+them (``./wandb``, or ``WANDB_DIR``), not under the Accelerator's logging directory.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,6 @@ class WandBTracker(Tracker):
         super().__init__(project_name, logging_dir, **init_kwargs)
         import wandb
 
-        if logging_dir is not None:
-            init_kwargs.setdefault("dir", logging_dir)
         self.run = wandb.init(project=project_name, **init_kwargs)
 
     @property
