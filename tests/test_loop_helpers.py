@@ -139,3 +139,17 @@ def test_the_level_comes_from_accelerates_variable(monkeypatch):
 
 def test_they_are_public_names():
     assert {"find_executable_batch_size", "set_seed", "get_logger"} <= set(trainer_ext.__all__)
+
+
+def test_skip_first_batches_is_accelerates_top_level_function() -> None:
+    """``from accelerate import skip_first_batches`` migrates to ``from trainer_ext import skip_first_batches``: on a
+    prepared loader it is the Accelerator's method, on a plain one the first batches are read and dropped."""
+    from torch.utils.data import DataLoader
+
+    from trainer_ext import Accelerator, skip_first_batches
+
+    plain = DataLoader(list(range(10)), batch_size=3)
+    assert [b.tolist() for b in skip_first_batches(plain, 2)] == [[6, 7, 8], [9]]
+    assert len(skip_first_batches(plain, 1)) == 3
+    prepared = Accelerator(cpu=True).prepare(DataLoader(list(range(10)), batch_size=3))
+    assert [b.tolist() for b in skip_first_batches(prepared, 3)] == [[9]]

@@ -49,6 +49,7 @@ _EXPORTS = {
     "init_empty_weights": "trainer_ext.dispatch",
     "dispatch_summary": "trainer_ext.dispatch",
     "gather_object": "trainer_ext.distributed.collectives",
+    "skip_first_batches": "trainer_ext.distributed.data",
 }
 # accelerate.utils' checks of what this machine has (trainer_ext.availability.__all__)
 _AVAILABILITY = (
