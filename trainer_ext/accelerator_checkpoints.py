@@ -2,7 +2,9 @@
 
 ``save_state`` writes through :mod:`trainer_ext.checkpointing.loop_state` (every rank's share, a commit marker
 last); accelerate's project settings choose the folder (``automatic_checkpoint_naming``, ``total_limit``) and its
-pre-hooks see the models before anything is written or read.
+pre-hooks see the models before anything is written or read. ``load_state`` also reads a folder written by
+accelerate's own ``save_state`` (:mod:`trainer_ext.checkpointing.accelerate_format`), so a job started under
+accelerate continues after its import is switched. Both log accelerate's INFO lines, in its words.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .checkpointing import accelerate_format
 from .checkpointing import loop_state as checkpoint
+from .checkpointing.marker import COMPLETE
 from .errors import ConfigError
+from .loop_helpers import get_logger
 
 logger = logging.getLogger(__name__)
+progress = get_logger(__name__)  # accelerate's progress lines: INFO, "[RANK 0] ", the main process only
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
 
 
@@ -29,6 +35,34 @@ def numbered_folders(root: Path) -> list[tuple[int, Path]]:
     """The ``checkpoint_<n>`` folders automatic checkpoint naming wrote under ``root``, with their numbers."""
     found = (_NUMBERED.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
     return [(int(match.group(1)), root / match.group(0)) for match in found if match]
+
+
+def _saved_at(folder: Path) -> int:
+    """When a checkpoint was committed: its marker's time (ours), else its newest file's (accelerate's)."""
+    if (folder / COMPLETE).is_file():
+        return (folder / COMPLETE).stat().st_mtime_ns
+    if not folder.is_dir():  # ours, interrupted while replacing it: its complete copy is beside it
+        copies = (folder.with_name(f".{folder.name}{end}") / COMPLETE for end in (".saving", ".replaced"))
+        return max((marker.stat().st_mtime_ns for marker in copies if marker.is_file()), default=0)
+    return max((entry.stat().st_mtime_ns for entry in folder.iterdir() if entry.is_file()), default=0)
+
+
+def latest_checkpoint(root: Path) -> Path:
+    """The checkpoint ``load_state()`` resumes under ``root``: the newest complete one of ours, or accelerate's
+    highest ``checkpoint_<n>`` (its rule) when that one is newer (a job started under accelerate)."""
+    found = numbered_folders(root) if root.is_dir() else []
+    theirs = [pair for pair in found if accelerate_format.is_accelerate_checkpoint(pair[1])]
+    if not theirs:
+        return checkpoint.latest_state(root)
+    newest = max(theirs)[1]
+    try:
+        ours = checkpoint.latest_state(root)
+    except ConfigError:
+        return newest
+    mine, other = _NUMBERED.fullmatch(ours.name), _NUMBERED.fullmatch(newest.name)
+    if mine is not None and other is not None:
+        return ours if int(mine.group(1)) > int(other.group(1)) else newest
+    return ours if _saved_at(ours) >= _saved_at(newest) else newest
 
 
 class CheckpointsMixin:
@@ -198,6 +232,7 @@ class CheckpointsMixin:
             output_dir = self._checkpoints_root("save_state()") / "checkpoint"
         objects = self._checkpoint_objects()
         hooks = list(self._save_state_pre_hooks.values())
+        progress.info(f"Saving current state to {output_dir}")
 
         def before_write(folder: Path) -> None:  # hooks see the folder being written (it becomes output_dir)
             if not hooks:
@@ -220,6 +255,10 @@ class CheckpointsMixin:
             extra={"step": self.step, "processes": self.num_processes},
             before_write=before_write,
         )
+        if self.is_main_process:
+            dataloaders, scaler = len(objects["dataloaders"]), self.scaler is not None
+            for line in accelerate_format.saved_lines(path, dataloaders, objects["custom"], scaler):
+                progress.info(line)
         self.project_configuration.iteration += 1
         return str(path)
 
@@ -230,12 +269,15 @@ class CheckpointsMixin:
         each loader's position (so the next pass continues where the saved one stopped; calling
         ``skip_first_batches`` for the resumed epoch as well, as accelerate's examples do, skips once, not twice).
 
-        Without ``input_dir``: the newest complete checkpoint under ``project_dir/checkpoints``.
+        A folder written by accelerate's ``save_state`` is restored as accelerate restores it (the loaders keep
+        their position: ``skip_first_batches`` skips what was seen). Without ``input_dir``: the newest checkpoint
+        under ``project_dir/checkpoints``. Loading ``checkpoints/checkpoint_<n>`` under automatic checkpoint naming
+        makes the next automatic save ``checkpoint_<n+1>`` (unless ``iteration`` is already past it).
         """
         if input_dir is not None:
             input_dir = os.path.expanduser(input_dir)
         else:
-            input_dir = checkpoint.latest_state(self._checkpoints_root("load_state()"))
+            input_dir = latest_checkpoint(self._checkpoints_root("load_state()"))
         objects = self._checkpoint_objects()
         if self._load_state_pre_hooks:  # hooks see the models loaded from whole files, as in accelerate
             visible = [m for m in objects["models"] if not self._hidden_from_hooks(m)]
@@ -244,7 +286,31 @@ class CheckpointsMixin:
                 hook(visible, str(input_dir))
             taken = [m for m in shown if not any(m is kept for kept in visible)]
             objects["models"][:] = [m for m in objects["models"] if not any(m is t for t in taken)]
-        extra = checkpoint.load_state(input_dir, self.state, **objects)
-        # the accumulation count is in micro-batches of this process: on another number of processes, the same
-        # share of the epoch (the loaders translate their positions the same way)
-        self.step = int(extra.get("step", 0)) * int(extra.get("processes", self.num_processes)) // self.num_processes
+        if accelerate_format.is_accelerate_checkpoint(input_dir):
+            found = accelerate_format.load_accelerate_state(input_dir, self.state, **objects)
+            if found["step"] is not None:  # accelerate's step counter, as its load_state sets it
+                self.step = found["step"]
+            scaler, random_states = found["scaler"], found["random"]
+        else:
+            extra = checkpoint.load_state(input_dir, self.state, **objects)
+            # the accumulation count is in micro-batches of this process: on another number of processes, the same
+            # share of the epoch (the loaders translate their positions the same way)
+            processes = int(extra.get("processes", self.num_processes))
+            self.step = int(extra.get("step", 0)) * processes // self.num_processes
+            scaler, random_states = self.scaler is not None, True
+        if self.is_main_process:  # accelerate's lines, said once the folder is loaded (after the loader's own)
+            progress.info(f"Loading states from {input_dir}")
+            for line in accelerate_format.loaded_lines(input_dir, objects["custom"], scaler, random_states):
+                progress.info(line)
+        self._continue_numbering(Path(input_dir))
+
+    def _continue_numbering(self, folder: Path) -> None:
+        """After loading ``project_dir/checkpoints/checkpoint_<n>`` under automatic naming, the next save is
+        ``checkpoint_<n+1>``: accelerate leaves ``iteration`` as it was, so its next save collides or reuses a lower
+        number (a ``total_limit`` rotation would then delete the newest checkpoints first)."""
+        config = self.project_configuration
+        match = _NUMBERED.fullmatch(folder.name)
+        if not (config.automatic_checkpoint_naming and self.project_dir is not None and match):
+            return
+        if folder.parent.resolve() == self._checkpoints_root("load_state()").resolve():
+            config.iteration = max(config.iteration, int(match.group(1)) + 1)
