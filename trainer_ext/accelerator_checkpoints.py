@@ -222,9 +222,11 @@ class CheckpointsMixin:
         With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints/checkpoint_<i>``,
         keeping ``total_limit``. Without a folder otherwise: ``project_dir/checkpoints/checkpoint``.
         """
-        if not safe_serialization:
-            raise ConfigError(
-                "save_state(safe_serialization=False) is not supported: weights are written as safetensors"
+        if not safe_serialization and not getattr(self, "_warned_pickled_state", False):
+            self._warned_pickled_state = True  # accelerate's scripts pass it; the folder is ours either way
+            logger.warning(
+                "save_state(safe_serialization=False): weights are written as safetensors all the same (load_state "
+                "reads them; pickled weights are not written)"
             )
         if self.project_configuration.automatic_checkpoint_naming:
             output_dir = self._automatic_folder()

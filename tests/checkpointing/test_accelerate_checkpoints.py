@@ -221,3 +221,20 @@ def test_two_processes_refuse_together_and_fsdp_takes_whole_files(tmp_path: Path
     assert on_0 == f"load_state: '<DIR>' could not be loaded on process 1: {on_1}"
     assert not (tmp_path / "code_ran").exists()
     assert results["fsdp"] == {"weights_equal": True, "exp_avg_equal": True, "step": 3}
+
+
+def test_save_state_without_safe_serialization_still_saves_and_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """accelerate's scripts may pass ``safe_serialization=False``: ours saves (safetensors, said once) and resumes."""
+    accelerator, model, optimizer, scheduler = _prepared()
+    _train(accelerator, model, optimizer, scheduler)
+    with caplog.at_level(logging.WARNING):
+        accelerator.save_state(str(tmp_path / "a"), safe_serialization=False)
+        accelerator.save_state(str(tmp_path / "b"), safe_serialization=False)
+    assert sum("safe_serialization=False" in r.getMessage() for r in caplog.records) == 1
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    again, model2, _, _ = _prepared()
+    again.load_state(str(tmp_path / "a"))
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, saved[key])
