@@ -6,7 +6,15 @@
 (from the repository root, in an environment with accelerate). Per phase and rank: the phase's status, the number of
 ``backward`` calls, each one's loss and learning rates (relative 1e-6) and ``sync_gradients``, every metric
 ``compute`` and every ``log`` (floats relative 1e-6), rank 0's final weights (max absolute difference 1e-6), and
-that ours never imported accelerate. Every difference fails; nothing is allowed.
+that ours never imported accelerate. Every difference fails, except the two in ``ALLOWED`` (each with its reason,
+reported as a note):
+
+- a resumed phase where stock's own resume is not its uninterrupted run's continuation (accelerate reshuffles a
+  plain shuffled loader on resume): ours must continue the uninterrupted run exactly instead (``_continues``), the
+  run stock and ours already agree on;
+- ``ddp_comm_hook`` on one process: accelerate under torchrun wraps a one-process DDP, so its fp16 compression hook
+  rounds every gradient; ours has no DDP on one process (as accelerate without a launcher), so only the final
+  weights may differ, by at most ``COMM_HOOK_WEIGHTS_ABS``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from .runner import record_path as rank_record
 
 RELATIVE = 1e-6  # losses, learning rates, metrics, logged values
 WEIGHTS_ABS = 1e-6
+COMM_HOOK_WEIGHTS_ABS = 1e-4  # fp16-rounded gradients over a few steps of AdamW at lr 2e-5
+ALLOWED = {
+    "stock_resume_reshuffles": "accelerate reshuffles a plain shuffled loader on resume (its resumed run is not the "
+    "uninterrupted run's continuation); ours continues it, checked against the uninterrupted run",
+    "one_process_comm_hook": "on one process accelerate under torchrun wraps a DDP whose fp16 comm hook rounds the "
+    "gradients; ours has no DDP on one process (as accelerate without a launcher)",
+}
 BATCH_TIMEOUT_S = 900.0  # one implementation's whole batch (a hang guard, scaled by the caller's helpers)
 
 
@@ -140,6 +155,16 @@ def _weights(report: Report, where: str, stock: Path, ours: Path) -> None:
 def _continues(report: Report, impl: str, case: str, nproc: int, outdir: Path) -> None:
     """Whether ``impl``'s resumed phase replays the uninterrupted run's last steps and ends on its weights (ours:
     a failure if not, as its own invariant; stock: a note)."""
+    differences = _not_continued(impl, case, nproc, outdir)
+    if differences:
+        line = f"{impl}: the resumed run is not the uninterrupted run's continuation: {'; '.join(differences)}"
+        (report.failures if impl == "ours" else report.notes).append(line)
+    else:
+        report.notes.append(f"{impl}: the resumed run replays the uninterrupted run's last steps and weights exactly")
+
+
+def _not_continued(impl: str, case: str, nproc: int, outdir: Path) -> list[str]:
+    """Where ``impl``'s resumed phase departs from the uninterrupted run's last steps and weights (empty: nowhere)."""
     differences = []
     for rank in range(nproc):
         full, resumed = (
@@ -155,20 +180,19 @@ def _continues(report: Report, impl: str, case: str, nproc: int, outdir: Path) -
     names = {phase: json.loads(rank_record(path, 0).read_text()).get("weights") for phase, path in folders.items()}
     if None not in names.values():
         _weights(weights, "", *(folders[phase].parent / names[phase] for phase in ("full", "resumed")))
-    differences += [line.split(": ", 1)[1] for line in weights.failures]
-    if differences:
-        line = f"{impl}: the resumed run is not the uninterrupted run's continuation: {'; '.join(differences)}"
-        (report.failures if impl == "ours" else report.notes).append(line)
-    else:
-        report.notes.append(f"{impl}: the resumed run replays the uninterrupted run's last steps and weights exactly")
+    return differences + [line.split(": ", 1)[1] for line in weights.failures]
 
 
 def compare(case: str, nproc: int, outdir: Path) -> Report:
     """Stock's and ours' records of ``case`` on ``nproc`` processes, from ``outdir`` (batch.py's layout)."""
     report = Report(case, nproc)
     summaries = {impl: json.loads(result_path(outdir, case, impl, nproc).read_text()) for impl in IMPLS}
+    resumes = [phase for phase, _ in CASES[case].phases] == ["full", "resumed"]
     for phase, _ in CASES[case].phases:
         statuses = {impl: summaries[impl]["phases"][phase]["status"] for impl in IMPLS}
+        reshuffled = phase == "resumed" and resumes and bool(_not_continued("stock", case, nproc, outdir))
+        if reshuffled:
+            report.notes.append(f"{phase}: allowed ({ALLOWED['stock_resume_reshuffles']})")
         if statuses["stock"] != statuses["ours"] or statuses["ours"].startswith("timeout"):
             for impl, status in statuses.items():
                 if status != "ok":
@@ -196,6 +220,8 @@ def compare(case: str, nproc: int, outdir: Path) -> Report:
                 report.notes.append(f"{where}: both raised {errors['stock']['type']}: {errors['stock']['message']}")
             if ours["accelerate_imported"]:
                 report.failures.append(f"{where}: ours imported accelerate")
+            if reshuffled:
+                continue
             _steps(report, where, stock["steps"], ours["steps"])
             _values(report, where, "metrics", stock["metrics"], ours["metrics"])
             _values(report, where, "logs", stock["logs"], ours["logs"])
@@ -205,10 +231,17 @@ def compare(case: str, nproc: int, outdir: Path) -> Report:
                     report.failures.append(f"{where}: final weights missing (stock {names[0]}, ours {names[1]})")
                 else:
                     folders = [record_path(outdir, case, impl, nproc, phase).parent for impl in IMPLS]
-                    _weights(report, where, folders[0] / names[0], folders[1] / names[1])
+                    weights = Report(case, nproc)
+                    _weights(weights, where, folders[0] / names[0], folders[1] / names[1])
+                    report.err("weights", weights.worst.get("weights", 0.0))
+                    comm_hook = (case, nproc) == ("ddp_comm_hook", 1)
+                    if comm_hook and weights.failures and weights.worst["weights"] <= COMM_HOOK_WEIGHTS_ABS:
+                        report.notes.append(f"{weights.failures[0]}: allowed ({ALLOWED['one_process_comm_hook']})")
+                    else:
+                        report.failures += weights.failures
                 topology = {impl: records[impl]["topology"].get("distributed_type") for impl in IMPLS}
                 report.notes.append(f"{phase}: {len(stock['steps'])} steps on rank 0; distributed type {topology}")
-    if [phase for phase, _ in CASES[case].phases] == ["full", "resumed"]:
+    if resumes:
         for impl in IMPLS:
             _continues(report, impl, case, nproc, outdir)
     return report
