@@ -51,49 +51,9 @@ _EXPORTS = {
     "gather_object": "trainer_ext.distributed.collectives",
     "skip_first_batches": "trainer_ext.distributed.data",
 }
-# accelerate.utils' checks of what this machine has (trainer_ext.availability.__all__)
-_AVAILABILITY = (
-    "is_4bit_bnb_available",
-    "is_8bit_bnb_available",
-    "is_aim_available",
-    "is_bf16_available",
-    "is_bnb_available",
-    "is_clearml_available",
-    "is_comet_ml_available",
-    "is_cuda_available",
-    "is_datasets_available",
-    "is_deepspeed_available",
-    "is_dvclive_available",
-    "is_fp16_available",
-    "is_hpu_available",
-    "is_matplotlib_available",
-    "is_mlflow_available",
-    "is_mlu_available",
-    "is_mps_available",
-    "is_musa_available",
-    "is_neuron_available",
-    "is_npu_available",
-    "is_pandas_available",
-    "is_peft_available",
-    "is_rocm_available",
-    "is_schedulefree_available",
-    "is_sdaa_available",
-    "is_swanlab_available",
-    "is_tensorboard_available",
-    "is_timm_available",
-    "is_torch_version",
-    "is_torch_xla_available",
-    "is_torchao_available",
-    "is_torchdata_available",
-    "is_torchdata_stateful_dataloader_available",
-    "is_torchvision_available",
-    "is_trackio_available",
-    "is_transformers_available",
-    "is_triton_available",
-    "is_wandb_available",
-    "is_weights_only_available",
-    "is_xpu_available",
-)
+# accelerate.utils' checks of what this machine has (a light module: standard library only until a check runs)
+from .availability import __all__ as _AVAILABILITY  # noqa: E402
+
 _EXPORTS.update(dict.fromkeys(_AVAILABILITY, "trainer_ext.availability"))
 
 __all__ = sorted(_EXPORTS)

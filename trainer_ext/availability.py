@@ -5,7 +5,8 @@ Scripts written for accelerate pick a device's memory API or an optional package
 A package counts as installed when it is importable and has distribution metadata (a stray folder of that name
 does not count); a device backend's plug-in (``torch_npu``, ``torch_mlu`` …) is imported only when it is
 installed, as accelerate does. Answers are ``True``/``False`` (accelerate returns ``None`` for some packages that
-are absent). Nothing here imports torch until a device check asks for it.
+are absent). Nothing here imports torch or package metadata until a check asks for them: ``trainer_ext`` reads
+``__all__`` from this module when it is imported.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import operator
 import os
@@ -76,6 +76,8 @@ _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
 
 def _installed(module: str, *distributions: str) -> bool:
     """``module`` imports from an installed distribution (its own name, or one of ``distributions``)."""
+    import importlib.metadata  # here, not at the top: ``import trainer_ext`` reads this module's names
+
     if importlib.util.find_spec(module) is None:
         return False
     for name in distributions or (module,):
@@ -88,6 +90,8 @@ def _installed(module: str, *distributions: str) -> bool:
 
 
 def _version_holds(distribution: str, operation: str, required: str) -> bool:
+    import importlib.metadata
+
     from packaging.version import parse
 
     if operation not in _COMPARE:
