@@ -35,6 +35,7 @@ from . import sharded as sharded_checkpoint
 from .loop_state import _check_keys, _owner
 from .marker import COMPLETE, is_complete, read_marker
 from .safe_globals import numpy_rng_safe_globals
+from .together import agreed
 
 __all__ = ["is_accelerate_checkpoint", "load_accelerate_state", "loaded_lines", "saved_lines"]
 logger = logging.getLogger(__name__)
@@ -251,22 +252,11 @@ def _apply(read: dict[str, Any], objects: dict[str, Any], device: torch.device) 
 
 def _agreed(state: Any, src: Path, work: Callable[[], Any]) -> Any:
     """``work()`` on every process; when it failed anywhere every process raises (none goes on alone)."""
-    error: BaseException | None = None
-    result = None
-    try:
-        result = work()
-    except Exception as exc:  # reported to every process below, then re-raised here
-        error = exc
-    failures = [f"process {state.process_index}: {error}"] if error is not None else []
-    if state.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        gathered: list[Any] = [None] * state.num_processes
-        torch.distributed.all_gather_object(gathered, failures)
-        failures = [line for lines in gathered for line in lines]
-    if error is not None:
-        raise error
-    if failures:
-        raise ConfigError(f"load_state: {str(src)!r} could not be loaded on " + "; ".join(failures))
-    return result
+    return agreed(
+        work,
+        lambda error: f"process {state.process_index}: {error}",
+        lambda lines: ConfigError(f"load_state: {str(src)!r} could not be loaded on {lines}"),
+    )
 
 
 def load_accelerate_state(directory: str | os.PathLike, state: Any, **objects: Any) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ..saving import tied_groups, unique_state_dict
 from . import sharded as sharded_checkpoint
 from .durable import flush_tree, fsync_dir
 from .marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker, remove_marker, write_marker
-from .together import own_checksums, verify_together
+from .together import agreed, own_checksums, verify_together
 from .verification import seal_hint
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
@@ -223,20 +223,11 @@ def _together(state: Any, stage: str, work: Any) -> None:
 
     The rank that failed re-raises its own error; the others raise a CheckpointError naming the ranks and errors.
     """
-    error: BaseException | None = None
-    try:
-        work()
-    except Exception as exc:  # reported to every rank below, then re-raised here
-        error = exc
-    failures = [f"rank {state.process_index}: {error!r}"] if error is not None else []
-    if state.num_processes > 1:
-        gathered: list[Any] = [None] * state.num_processes
-        torch.distributed.all_gather_object(gathered, failures)
-        failures = [line for lines in gathered for line in lines]
-    if error is not None:
-        raise error
-    if failures:
-        raise CheckpointError(f"save_state failed while {stage} the checkpoint on " + "; ".join(failures))
+    agreed(
+        work,
+        lambda error: f"rank {state.process_index}: {error!r}",
+        lambda lines: CheckpointError(f"save_state failed while {stage} the checkpoint on {lines}"),
+    )
 
 
 def _complete(final: Path) -> Path:

@@ -8,8 +8,9 @@ node split the committed files between them; all ranks then take the same decisi
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +34,27 @@ def _all(value: Any) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, value)
     return out
+
+
+T = TypeVar("T")
+
+
+def agreed(work: Callable[[], T], describe: Callable[[Exception], str], failed: Callable[[str], Exception]) -> T:
+    """``work()`` on every rank, then agree: when it failed anywhere every rank raises (none goes on, or waits for
+    a dead one, alone). The rank that failed re-raises its own error; the others raise ``failed`` of the ranks'
+    ``describe``d errors, joined."""
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = work()
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        error = exc
+    failures = [line for lines in _all([describe(error)] if error is not None else []) for line in lines]
+    if error is not None:
+        raise error
+    if failures:
+        raise failed("; ".join(failures))
+    return result
 
 
 def own_checksums(folder: str | os.PathLike) -> dict[str, int]:
