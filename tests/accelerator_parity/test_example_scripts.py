@@ -14,26 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
+
 from .examples.cases import CASES, NPROCS
 from .examples.compare import BATCH_TIMEOUT_S, run_both
 from .examples.standins import build
 
-REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
-
-try:
-    import accelerate  # noqa: F401  (the stock side's; the scripts run in their own processes)
-except ImportError as exc:
-    NO_ACCELERATE: str | None = f"{type(exc).__name__}: {exc}"
-else:
-    NO_ACCELERATE = None
-
 pytestmark = [
     pytest.mark.parity,
-    pytest.mark.skipif(
-        NO_ACCELERATE is not None and not REQUIRED,
-        reason="the stock side needs accelerate, which this environment must not have: "
-        "run in the side venv (tests/accelerator_parity/README.md)",
-    ),
+    skip_without_accelerate("run in the side venv (tests/accelerator_parity/README.md)"),
 ]
 
 RUNS = [(name, nproc) for name in CASES for nproc in NPROCS]
@@ -42,12 +31,8 @@ RUNS = [(name, nproc) for name in CASES for nproc in NPROCS]
 @pytest.fixture(scope="module")
 def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The selected scripts that can run here, each under both implementations (the two batches side by side)."""
-    if NO_ACCELERATE is not None:  # not skipped: CI requires accelerate
-        pytest.exit(
-            f"TRAINER_EXT_REQUIRE_ACCELERATE=1 but accelerate does not import ({NO_ACCELERATE}); the stock side needs "
-            "it: run in the side venv (tests/accelerator_parity/README.md)",
-            returncode=1,
-        )
+    # not skipped: CI requires accelerate
+    require_accelerate("run in the side venv (tests/accelerator_parity/README.md)")
     selected = [
         (item.callspec.params["script"], item.callspec.params["nproc"])
         for item in request.session.items

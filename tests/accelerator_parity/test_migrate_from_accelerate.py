@@ -18,7 +18,6 @@ Exact equality throughout (CPU, fp32, one thread per process). Needs accelerate:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -32,24 +31,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.ranks import child_env
-
-REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
-try:
-    import accelerate  # noqa: F401  (the stock side's; the jobs run in their own processes)
-except ImportError as exc:
-    NO_ACCELERATE: str | None = f"{type(exc).__name__}: {exc}"
-else:
-    NO_ACCELERATE = None
+from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
 
 pytestmark = [
     pytest.mark.parity,
     pytest.mark.distributed,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        NO_ACCELERATE is not None and not REQUIRED,
-        reason="the stock side needs accelerate, which this environment must not have: "
-        "run in the side venv (tests/accelerator_parity/README.md)",
-    ),
+    skip_without_accelerate("run in the side venv (tests/accelerator_parity/README.md)"),
 ]
 JOB = "tests.accelerator_parity.migrate_job"
 NOTICE = "loading accelerate checkpoint"
@@ -187,8 +175,8 @@ def automatic(nproc: int, root: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], tuple[Path, dict[str, str]]]:
     """Every variant on 1 and 2 processes: its folder of phases and their output, two chains at a time."""
-    if NO_ACCELERATE is not None:  # not skipped: CI requires accelerate
-        pytest.exit(f"TRAINER_EXT_REQUIRE_ACCELERATE=1 but accelerate does not import ({NO_ACCELERATE})", returncode=1)
+    # not skipped: CI requires accelerate
+    require_accelerate("run in the side venv (tests/accelerator_parity/README.md)")
     root = tmp_path_factory.mktemp("migrate")
     chains = {
         (variant, nproc): root / f"{variant}-{nproc}" for variant in ("explicit", "automatic") for nproc in (1, 2)

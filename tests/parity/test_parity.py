@@ -15,38 +15,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
+
 from .compare import compare
 from .run_all import run_both, scenario_names
 
 OURS = os.environ.get("PARITY_OURS", "ours")  # "ours+accelerate": trainer_ext with accelerate importable
-REQUIRED = os.environ.get("TRAINER_EXT_REQUIRE_ACCELERATE") == "1"
-
-try:
-    import accelerate  # noqa: F401  (the stock side's; the scenarios run in their own processes)
-except ImportError as exc:
-    NO_ACCELERATE: str | None = f"{type(exc).__name__}: {exc}"
-else:
-    NO_ACCELERATE = None
-
 pytestmark = [
     pytest.mark.parity,
-    pytest.mark.skipif(
-        NO_ACCELERATE is not None and not REQUIRED,
-        reason="the stock side needs accelerate, which this environment must not have: "
-        "run in the parity venv (tests/parity/README.md)",
-    ),
+    skip_without_accelerate("run in the parity venv (tests/parity/README.md)"),
 ]
 
 
 @pytest.fixture(scope="module")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The selected scenarios, run once under both implementations (side by side, one fork per scenario)."""
-    if NO_ACCELERATE is not None:  # not skipped: CI requires accelerate
-        pytest.exit(
-            f"TRAINER_EXT_REQUIRE_ACCELERATE=1 but accelerate does not import ({NO_ACCELERATE}); the stock side needs "
-            "it: run the parity suite in the peft environment, pip install -e '.[dev,peft]' (tests/parity/README.md)",
-            returncode=1,
-        )
+    require_accelerate(
+        "run the parity suite in the peft environment, pip install -e '.[dev,peft]' (tests/parity/README.md)"
+    )  # not skipped: CI requires accelerate
     selected = {
         item.callspec.params["scenario"]
         for item in request.session.items
