@@ -222,33 +222,9 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2)
 
     @property
-    def tensor_parallel_rank(self) -> int:
-        raise RuntimeError("Tensor parallelism is not configured. Set `parallelism_config` first.")
-
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
-
-    @property
-    def context_parallel_rank(self) -> int:
-        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
-
-    @property
-    def data_parallel_rank(self) -> int:
-        raise RuntimeError("Data parallelism is not configured. Set `parallelism_config` first.")
-
-    @property
-    def data_parallel_shard_rank(self) -> int:
-        raise RuntimeError("Shard-based data parallelism is not configured. Set `parallelism_config` first.")
-
-    @property
     def fp8_backend(self) -> str:
         """``"AO"`` (torchao float8 layers) under ``mixed_precision="fp8"``, else ``"NO"``."""
         return "AO" if self.mixed_precision == "fp8" else "NO"
-
-    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
-        """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""
-        return contextlib.nullcontext()
 
     @property
     def even_batches(self) -> bool:

@@ -157,3 +157,28 @@ class ProcessesMixin:
         finally:
             for shard, value in restore:
                 shard.even_batches = value
+
+    # -- ranks along parallel dimensions: none is configured (accelerate's answers without a parallelism_config)
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise RuntimeError("Tensor parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise RuntimeError("Data parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise RuntimeError("Shard-based data parallelism is not configured. Set `parallelism_config` first.")
+
+    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""
+        return contextlib.nullcontext()
