@@ -14,19 +14,30 @@ import numpy as np
 from .base import Metric, to_numpy
 
 AVERAGES = ("binary", "macro", "micro", "weighted")
+MAX_ID = 2**62  # class ids as int64, with room to spare
 
 
 def class_ids(predictions: Any, references: Any) -> tuple[np.ndarray, np.ndarray]:
     """Predicted and true class ids as flat int64 arrays; logits (one more axis than the references) are argmaxed."""
-    preds, refs = to_numpy(predictions), to_numpy(references)
+    try:
+        preds, refs = to_numpy(predictions), to_numpy(references)
+    except (TypeError, ValueError) as error:  # ragged lists, objects numpy cannot hold
+        raise ValueError(f"predictions and references must be arrays of class ids or logits: {error}") from error
+    for what, values in (("predictions", preds), ("references", refs)):
+        if values.dtype.kind not in "biuf":
+            raise ValueError(f"{what} must be class ids (integers) or logits, got an array of {values.dtype}")
     if preds.ndim == refs.ndim + 1:
+        if preds.shape[-1] == 0:
+            raise ValueError(f"logits of shape {preds.shape} have no classes")
         preds = preds.argmax(axis=-1)
     preds, refs = preds.reshape(-1), refs.reshape(-1)
     if preds.shape != refs.shape:
         raise ValueError(f"{preds.size} predictions but {refs.size} references")
     for what, values in (("predictions", preds), ("references", refs)):
-        if values.size and not np.all(np.equal(np.mod(values, 1), 0)):
+        if values.size and not (np.all(np.isfinite(values)) and np.all(np.equal(np.mod(values, 1), 0))):
             raise ValueError(f"{what} must be class ids (integers) or logits, got e.g. {values[0]!r}")
+        if values.size and values.dtype.kind == "f" and (values.min() < 0 or values.max() >= MAX_ID):
+            raise ValueError(f"{what} must be class ids from 0 to {MAX_ID - 1}, got e.g. {values.max()!r}")
     preds, refs = preds.astype(np.int64), refs.astype(np.int64)
     if preds.size and min(preds.min(), refs.min()) < 0:
         raise ValueError("class ids must be 0 or more (drop ignored examples before adding them)")
@@ -34,29 +45,42 @@ def class_ids(predictions: Any, references: Any) -> tuple[np.ndarray, np.ndarray
 
 
 class ConfusionMetric(Metric):
-    """Keeps a growing ``confusion[true, predicted]`` count matrix: memory is classes², whatever the data size."""
+    """Counts each (true class, predicted class) pair seen: memory grows with the pairs present (at most classes²,
+    and never more than the examples added), not with the largest class id."""
 
     def __init__(self, num_classes: int = 0) -> None:
-        self.num_classes = num_classes
+        self.num_classes = num_classes  # a hint kept for callers; the counts are sized by the classes present
         super().__init__()
 
     def reset(self) -> None:
-        self.confusion = np.zeros((self.num_classes, self.num_classes), dtype=np.int64)
+        self.pairs = np.zeros((0, 2), dtype=np.int64)  # distinct (true, predicted) pairs, sorted
+        self.counts = np.zeros(0, dtype=np.int64)  # how often each pair was seen
 
     def add_batch(self, *, predictions: Any, references: Any) -> None:
         preds, refs = class_ids(predictions, references)
         if not preds.size:
             return
-        size = max(int(preds.max()), int(refs.max()), len(self.confusion) - 1) + 1
-        if size > len(self.confusion):
-            grown = np.zeros((size, size), dtype=np.int64)
-            grown[: len(self.confusion), : len(self.confusion)] = self.confusion
-            self.confusion = grown
-        self.confusion += np.bincount(refs * size + preds, minlength=size * size).reshape(size, size)
+        pairs = np.concatenate([self.pairs, np.stack([refs, preds], axis=1)])
+        weights = np.concatenate([self.counts, np.ones(len(refs), dtype=np.int64)])
+        self.pairs, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        self.counts = np.zeros(len(self.pairs), dtype=np.int64)
+        np.add.at(self.counts, inverse.reshape(-1), weights)
 
     @property
     def total(self) -> int:
-        return int(self.confusion.sum())
+        return int(self.counts.sum())
+
+    def per_class(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(classes present in either role, sorted; their true counts; predicted counts; correct counts)."""
+        classes = np.unique(self.pairs)
+        true_at = np.searchsorted(classes, self.pairs[:, 0])
+        predicted_at = np.searchsorted(classes, self.pairs[:, 1])
+        size = len(classes)
+        true = np.bincount(true_at, weights=self.counts, minlength=size)
+        predicted = np.bincount(predicted_at, weights=self.counts, minlength=size)
+        hit = true_at == predicted_at
+        correct = np.bincount(true_at[hit], weights=self.counts[hit], minlength=size)
+        return classes, true, predicted, correct
 
 
 class Accuracy(ConfusionMetric):
@@ -69,7 +93,7 @@ class Accuracy(ConfusionMetric):
         super().__init__(num_classes)
 
     def _result(self) -> dict[str, float]:
-        correct = float(np.trace(self.confusion))
+        correct = float(self.counts[self.pairs[:, 0] == self.pairs[:, 1]].sum())
         if not self.normalize:
             return {self.name: correct}
         return {self.name: correct / self.total if self.total else float("nan")}
@@ -85,7 +109,7 @@ class _Averaged(ConfusionMetric):
             raise ValueError(f"{self.name}: average must be one of {', '.join(AVERAGES)}, got {average!r}")
         self.average, self.pos_label = average, int(pos_label)
         self.labels = None if labels is None else [int(label) for label in labels]
-        super().__init__(max([num_classes, *(label + 1 for label in self.labels or [])]))
+        super().__init__(num_classes)
 
     @staticmethod
     def _score(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
@@ -94,7 +118,8 @@ class _Averaged(ConfusionMetric):
     def _result(self) -> dict[str, float]:
         if not self.total:
             return {self.name: float("nan")}
-        present = [int(c) for c in np.flatnonzero(self.confusion.sum(axis=0) + self.confusion.sum(axis=1))]
+        classes, true, predicted, correct = self.per_class()
+        present = [int(c) for c in classes]
         if self.average == "binary":
             if len(present) > 2:
                 raise ValueError(
@@ -106,12 +131,11 @@ class _Averaged(ConfusionMetric):
             chosen = [self.pos_label]
         else:
             chosen = self.labels if self.labels is not None else present
-        size = max(len(self.confusion), max(chosen) + 1)  # a class never seen has all counts 0
-        matrix = np.zeros((size, size), dtype=np.float64)
-        matrix[: len(self.confusion), : len(self.confusion)] = self.confusion
-        tp = np.diag(matrix)
-        fp, fn, support = matrix.sum(axis=0) - tp, matrix.sum(axis=1) - tp, matrix.sum(axis=1)
-        tp, fp, fn, support = tp[chosen], fp[chosen], fn[chosen], support[chosen]
+        at = np.searchsorted(classes, chosen)
+        seen = np.isin(chosen, classes)  # a class never seen has all counts 0
+        at = np.where(seen, np.minimum(at, len(classes) - 1), 0)
+        tp, support, guessed = (np.where(seen, values[at], 0.0) for values in (correct, true, predicted))
+        fp, fn = guessed - tp, support - tp
         if self.average == "micro":
             tp, fp, fn = tp.sum(keepdims=True), fp.sum(keepdims=True), fn.sum(keepdims=True)
             return {self.name: float(self._score(tp, fp, fn)[0])}
@@ -166,9 +190,8 @@ class MatthewsCorrelation(ConfusionMetric):
     def _result(self) -> dict[str, float]:
         if not self.total:
             return {self.name: float("nan")}
-        matrix = self.confusion.astype(np.float64)
-        true, predicted = matrix.sum(axis=1), matrix.sum(axis=0)
-        correct, samples = np.trace(matrix), matrix.sum()
+        _, true, predicted, correct = self.per_class()
+        correct, samples = correct.sum(), true.sum()
         covariance = correct * samples - true @ predicted
         denominator = np.sqrt((samples**2 - predicted @ predicted) * (samples**2 - true @ true))
         return {self.name: float(covariance / denominator) if denominator else 0.0}

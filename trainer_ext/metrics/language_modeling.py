@@ -22,7 +22,10 @@ def _tensor(values: Any) -> Any:
         return values.detach()
     import numpy as np
 
-    return torch.from_numpy(np.asarray(values))
+    try:
+        return torch.from_numpy(np.asarray(values))
+    except (TypeError, ValueError) as error:  # strings, None, ragged lists
+        raise ValueError(f"predictions and references must be arrays of numbers: {error}") from error
 
 
 class _TokenMetric(Metric):
@@ -36,6 +39,11 @@ class _TokenMetric(Metric):
         """(predictions, labels, mask) with predictions at t facing the label at t + 1."""
         preds, labels = _tensor(predictions), _tensor(references).long()
         logits = preds.dim() == labels.dim() + 1
+        if labels.dim() == 0 or (logits and preds.shape[-1] == 0):
+            raise ValueError(
+                f"{self.name}: got predictions {tuple(preds.shape)} and labels {tuple(labels.shape)}; labels need a "
+                "sequence axis and logits a vocabulary of at least one token"
+            )
         if need_logits and not logits:
             raise ValueError(
                 f"{self.name} needs logits of shape (batch, sequence, vocabulary) beside labels of shape (batch, "
@@ -64,6 +72,13 @@ class Perplexity(_TokenMetric):
         import torch
 
         logits, labels, mask = self._aligned(predictions, references, need_logits=True)
+        counted, vocabulary = labels[mask], logits.shape[-1]
+        outside = counted[(counted < 0) | (counted >= vocabulary)]
+        if outside.numel():
+            raise ValueError(
+                f"{self.name}: label {int(outside[0])} is not a token id of the {vocabulary}-token vocabulary (nor "
+                f"ignore_index {self.ignore_index})"
+            )
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             labels.reshape(-1),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,10 @@ def load(name: str, task: str | None = None, **options: Any) -> Any:
     Our names (``NAMES``) never import ``evaluate`` nor make a network call. Any other name must be an ``evaluate``
     module already here (a script path, or a hub metric in evaluate's cache), else ConfigError listing ours.
     """
+    if not isinstance(name, str):
+        raise ConfigError(f"a metric name must be a string such as 'accuracy', not {type(name).__name__} {name!r}")
+    if task is not None and not isinstance(task, str):
+        raise ConfigError(f"task must be one of {', '.join(TASK_METRICS)}, not {type(task).__name__} {task!r}")
     key = normalize_name(name)
     if key in NAMES or task is not None:
         cls = metric_class(name, task)
@@ -87,30 +93,69 @@ def load(name: str, task: str | None = None, **options: Any) -> Any:
             )
         try:
             return cls(**options)
-        except ValueError as error:
-            raise ConfigError(str(error)) from error
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"metric {name!r}: {error}") from error
     local = local_evaluate_module(name)
     if local is None:
         raise ConfigError(
             f"unknown metric {name!r}; known metrics: {', '.join(NAMES)}.{did_you_mean(key, NAMES)} (an evaluate "
-            "module is used only when it is already on this machine: give the path of its script)"
+            f"module is used only when it is already on this machine: {SCRIPT_RULE})"
         )
     import evaluate
 
     return evaluate.load(str(local), **options)
 
 
+SCRIPT_RULE = "give the path of its script NAME.py, or of a folder NAME holding NAME.py"
+# a bare name looked up in evaluate's module cache: what a hub metric may be called, nothing that globs or climbs
+CACHE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def local_evaluate_module(name: str) -> Path | None:
-    """The local ``evaluate`` script for ``name``: an existing path, or the newest copy in evaluate's module cache."""
+    """The local ``evaluate`` script for ``name``, or None: a ``.py`` file, a folder ``X`` holding ``X.py``, or the
+    newest copy of a hub metric in evaluate's module cache. Only these does ``evaluate.load`` read without a network
+    look-up, so nothing else is ever handed to it; a path that exists but is neither is a ConfigError."""
+    if not name.strip():
+        return None
     path = Path(os.path.expanduser(name))
-    if path.exists():
-        return path
-    if "/" in name or os.sep in name:
+    script = path if path.suffix == ".py" else path / f"{path.name}.py"
+    if path.name and _is_regular_file(script):
+        return script
+    if _exists(path):
+        kind = (
+            ("a folder" if path.name in ("", "..") else f"a folder without {script.name} in it")
+            if path.is_dir()
+            else "not a regular file"
+            if path.suffix == ".py"
+            else "not a .py script"
+        )
+        raise ConfigError(
+            f"metric {name!r} is not one of ours ({', '.join(NAMES)}) and {path} is {kind}; evaluate loads a local "
+            f"module offline only from a script: {SCRIPT_RULE}"
+        )
+    if "/" in name or os.sep in name or len(name) > 200 or not CACHE_NAME.fullmatch(name):
         return None
     try:
         import evaluate.config
     except ImportError:
         return None
     cached = Path(evaluate.config.HF_MODULES_CACHE) / "evaluate_modules" / "metrics" / f"evaluate-metric--{name}"
-    scripts = sorted(cached.glob(f"*/{name}.py"), key=lambda p: p.stat().st_mtime)
+    scripts = sorted((p for p in cached.glob(f"*/{name}.py") if _is_regular_file(p)), key=lambda p: p.stat().st_mtime)
     return scripts[-1] if scripts else None
+
+
+def _exists(path: Path) -> bool:
+    """Whether anything (a link included) is at ``path``; a name the file system refuses is nothing there."""
+    try:
+        os.lstat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _is_regular_file(path: Path) -> bool:
+    """Whether ``path`` is (or links to) a regular file; never opens it, so a FIFO cannot hang us."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
