@@ -8,9 +8,9 @@ package is recorded by name (``<built-in sentiment.jsonl>``), not by where the p
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,14 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from . import disk_space, run_lock
 from .arguments import TrainJobArguments
+from .checkpointing.links import links_under, open_no_follow, refuse_link, remove_entry
 from .checkpointing.listing import sorted_checkpoints
 from .checkpointing.resume import AUTO, resume_request
 from .data import CORPUS, SENTIMENT
 from .errors import ConfigError
 
 RUN_FILE = "trainer_ext_run.json"
+RUN_FILE_TMP = f".{RUN_FILE}.tmp"
 # What a finished run leaves in output_dir besides checkpoints; removed by --overwrite_output_dir.
 RUN_ARTIFACTS = (
     RUN_FILE,
@@ -118,9 +120,10 @@ def check(args: TrainJobArguments) -> bool | str | None:
     """
     out = Path(args.output_dir)
     resume = resume_target(args)
-    if out.exists() and not out.is_dir():
+    if _exists(out) and not out.is_dir():
         raise ConfigError(f"--output_dir {str(out)!r} is a file; pass a directory")
     _check_writable(out)
+    check_links(out, args.overwrite_output_dir)
     found = sorted_checkpoints(out)
     if resume is not None and args.overwrite_output_dir:
         raise ConfigError(
@@ -150,6 +153,42 @@ def check(args: TrainJobArguments) -> bool | str | None:
             "--overwrite_output_dir to start over"
         )
     return resume
+
+
+def _exists(out: Path) -> bool:
+    """Whether ``out`` exists; ConfigError in one line when the path cannot even be looked up (too long ...)."""
+    try:
+        os.lstat(out)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        too_long = error.errno == errno.ENAMETOOLONG
+        reason = "a name in it is too long for the file system" if too_long else error.strerror
+        shown = str(out) if len(str(out)) <= 120 else str(out)[:120] + "..."
+        fix = "pick a shorter path" if too_long else "pick another directory"
+        raise ConfigError(f"--output_dir {shown!r} cannot be used ({reason}); {fix}") from None
+    return True
+
+
+def written_links(out: Path, overwrite: bool = False) -> list[Path]:
+    """The links in ``out`` where a job writes: checkpoint folders, the run's files and folders and what is inside
+    them, the lock; with ``overwrite`` only those --overwrite_output_dir does not remove (the lock, the tmp)."""
+    if not out.is_dir():
+        return []
+    kept = [out / run_lock.LOCK_FILE, out / RUN_FILE_TMP]
+    removed = [out / name for name in RUN_ARTIFACTS + RUN_FOLDERS]
+    checkpoints = sorted_checkpoints(out)  # links to folders included
+    found = [p for p in kept + ([] if overwrite else removed + checkpoints) if p.is_symlink()]
+    if not overwrite:
+        folders = checkpoints + [out / name for name in RUN_FOLDERS]
+        found += [link for p in folders if not p.is_symlink() for link in links_under(p)]
+    return found
+
+
+def check_links(out: Path, overwrite: bool = False) -> None:
+    """The link rule at start-up: refuse (one line naming it) a link where the job would write (:func:`written_links`)."""
+    for link in written_links(out, overwrite):
+        refuse_link(link, "where this job writes")
 
 
 def _check_writable(out: Path) -> None:
@@ -184,22 +223,23 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
         if not trainer.is_world_process_zero():
             return
         out = Path(args.output_dir)
+        check_links(out, args.overwrite_output_dir)  # again: a link may have been made since check()
         run_lock.acquire(out)  # before anything is deleted or written: another run may be writing here
         if args.overwrite_output_dir and out.is_dir():
-            for checkpoint in sorted_checkpoints(out):
-                shutil.rmtree(checkpoint)
-            for name in RUN_ARTIFACTS:
-                (out / name).unlink(missing_ok=True)
-            for name in RUN_FOLDERS:
-                shutil.rmtree(out / name, ignore_errors=True)
-        tmp = out / f".{RUN_FILE}.tmp"
+            doomed = sorted_checkpoints(out) + [out / name for name in RUN_ARTIFACTS + RUN_FOLDERS]
+            for path in doomed:  # decided first; a link is removed itself, never what it points to
+                remove_entry(path)
+        tmp = out / RUN_FILE_TMP
+        text = json.dumps({"trainer_ext_run": 1, "job": job_identity(args)}, indent=2) + "\n"
         try:
-            tmp.write_text(
-                json.dumps({"trainer_ext_run": 1, "job": job_identity(args)}, indent=2) + "\n", encoding="utf-8"
-            )
-            os.replace(tmp, out / RUN_FILE)
+            refuse_link(tmp, "the run file's temporary copy")
+            tmp.unlink(missing_ok=True)  # a leftover of a killed start: created afresh, never written through
+            with open(open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, out / RUN_FILE)  # a rename: a link named RUN_FILE is replaced, not followed
         except OSError as error:
-            tmp.unlink(missing_ok=True)
+            if not tmp.is_symlink():
+                tmp.unlink(missing_ok=True)
             if disk_space.is_disk_full(error):
                 raise disk_space.save_failed(out / RUN_FILE, error, None, None) from None
             raise

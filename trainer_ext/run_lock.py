@@ -15,6 +15,7 @@ import os
 import socket
 from pathlib import Path
 
+from .checkpointing.links import open_no_follow
 from .errors import ConfigError
 
 LOCK_FILE = ".trainer_ext.lock"
@@ -40,7 +41,7 @@ def acquire(directory: str | os.PathLike) -> None:
     key = folder.resolve()
     if key in _held:
         return
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_no_follow(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT)  # a link there: refused, never truncated
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from .callbacks.duties import DutyCallbackHandler
 from .checkpointing import marker, together
 from .checkpointing import sharded as sharded_checkpoint
 from .checkpointing.durable import flush_tree
+from .checkpointing.links import refuse_link, refuse_links_under
 from .checkpointing.listing import rotate, sorted_checkpoints
 from .checkpointing.preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
 from .checkpointing.resume import AUTO, resume_request
@@ -26,6 +28,21 @@ from .distributed.strategies import STRATEGIES, checkpoint_owner
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# what transformers' save_model, save_metrics and save_state write at the top of a folder (a final model's files)
+SAVED_FILE = re.compile(
+    r"(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?|[\w.-]*config\.json|"
+    r"tokenizer[\w.-]*|special_tokens_map\.json|added_tokens\.json|vocab\.\w+|merges\.txt|chat_template\.\w+|"
+    r"training_args\.bin|[\w-]*results\.json|trainer_state\.json"
+)
+
+
+def refuse_saved_links(folder: str | os.PathLike) -> None:
+    """The link rule for a final save: refuse (one line) a link in ``folder`` named like a file it writes."""
+    if os.path.isdir(folder):
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if entry.is_symlink() and SAVED_FILE.fullmatch(entry.name):
+                refuse_link(entry.path, "where the model and its results are saved")
 
 
 def _barrier(trainer: Any) -> None:
@@ -210,9 +227,8 @@ class CheckpointingMixin:
         when the limit is 1 (as stock does), and callbacks read the user's value.
         """
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-        if self.args.should_save:
-            marker.remove_marker(folder)  # an older save of the same step is no longer complete
-            marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
+        # every rank raises when the folder is refused (a link), none is left waiting at the barrier
+        together.agreed(lambda: self._prepare_folder(folder), str, ConfigError)
         _barrier(self)
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
@@ -249,6 +265,34 @@ class CheckpointingMixin:
             for path in removed:
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
         _barrier(self)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """transformers' ``save_metrics``, refusing a link where it writes (the link rule)."""
+        if self.is_world_process_zero():
+            refuse_saved_links(self.args.output_dir)
+        super().save_metrics(split, metrics, combined)
+
+    def save_state(self) -> None:
+        """transformers' ``save_state``, refusing a link where it writes (the link rule)."""
+        if self.is_world_process_zero():
+            refuse_saved_links(self.args.output_dir)
+        super().save_state()
+
+    def _prepare_folder(self, folder: Path) -> None:
+        """The link rule and a clean start for ``checkpoint-N`` (saving processes): refuse a link at or inside it,
+        clear a folder no valid marker commits (a save that died: nothing of it is reused), tag the save."""
+        if not self.args.should_save:
+            return
+        refuse_links_under(folder, f"checkpoint {folder.name}, about to be saved")
+        if os.path.lexists(folder) and not folder.is_dir():
+            raise ConfigError(
+                f"{str(folder)!r} is not a folder: the checkpoint of step {self.state.global_step} goes there. "
+                "Move it away and run again"
+            )
+        if folder.is_dir() and not marker.is_complete(folder):
+            shutil.rmtree(folder)  # a dead save; no link inside (refused above), so nothing outside is touched
+        marker.remove_marker(folder)  # an older save of the same step is no longer complete
+        marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
 
     def _raise_if_disk_full(self, error: BaseException, folder: Path) -> None:
         """A save that ran out of space: remove what it wrote (it has no marker) and say so in one clear error,

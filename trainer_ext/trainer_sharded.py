@@ -21,6 +21,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_N
 from .checkpointing import sharded as sharded_checkpoint
 from .distributed.strategies import checkpoint_owner
 from .errors import ConfigError
+from .trainer_checkpoints import refuse_saved_links
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class ShardedCheckpointMixin:
         return self.accelerator.strategy.own_checkpoint_format and self.model_is_sharded()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors."""
+        """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors.
+
+        A final save refuses a link where it writes (the link rule; a checkpoint's folder was checked before)."""
+        if not _internal_call and self.args.should_save:
+            refuse_saved_links(output_dir if output_dir is not None else self.args.output_dir)
         if not self.model_is_sharded():
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir

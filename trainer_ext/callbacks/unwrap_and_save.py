@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
@@ -29,11 +32,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import _compat
 from ..checkpointing import sharded as sharded_checkpoint
+from ..checkpointing.links import move_into, remove_entry
 from ..distributed.strategies import checkpoint_owner
 from ..saving import is_peft_model, save_model, tied_groups
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+# the weights an earlier save into the same folder may have left: replaced as a whole (save_pretrained's rule)
+_WEIGHTS = re.compile(r"(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
 
 class SavedModelMismatchError(RuntimeError):
@@ -138,14 +144,29 @@ def verify_saved_model(model: torch.nn.Module, folder: str | os.PathLike, proces
 
 
 def save_unwrapped(model: torch.nn.Module, folder: str | os.PathLike, processing_class: Any = None) -> None:
-    """Write an already unwrapped model (+ config) and its tokenizer/processor to ``folder`` as safetensors."""
+    """Write an already unwrapped model (+ config) and its tokenizer/processor to ``folder`` as safetensors.
+
+    Written into a fresh temporary folder inside ``folder``, then renamed into place: a link in ``folder`` where a
+    file goes is replaced, never written through (the link rule)."""
     os.makedirs(folder, exist_ok=True)
-    if hasattr(model, "save_pretrained"):  # PreTrainedModel, and PeftModel (writes the adapter only)
-        model.save_pretrained(folder)
-    else:  # a plain module: safetensors (sharded above 10GB) the one way every saver of ours writes
-        save_model(model, folder)
-    if processing_class is not None:
-        processing_class.save_pretrained(folder)
+    fresh = Path(tempfile.mkdtemp(prefix=".trainer_ext_saving_model.", dir=folder))
+    try:
+        if hasattr(model, "save_pretrained"):  # PreTrainedModel, and PeftModel (writes the adapter only)
+            model.save_pretrained(fresh)
+        else:  # a plain module: safetensors (sharded above 10GB) the one way every saver of ours writes
+            save_model(model, fresh)
+        if processing_class is not None:
+            processing_class.save_pretrained(fresh)
+        for sub in [Path(), *(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_dir())]:
+            written, there = {p.name for p in (fresh / sub).iterdir()}, Path(folder) / sub
+            if sub.parts and any(Path(folder, *sub.parts[: i + 1]).is_symlink() for i in range(len(sub.parts))):
+                continue  # a link where a sub-folder goes: replaced whole by move_into, nothing looked at in it
+            for old in there.iterdir() if there.is_dir() else ():
+                if _WEIGHTS.fullmatch(old.name) and old.name not in written:
+                    remove_entry(old)  # an earlier save's other weights (a link: itself) would be read back
+        move_into(fresh, folder)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def _agree(error: str | None) -> None:

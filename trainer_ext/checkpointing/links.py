@@ -62,3 +62,20 @@ def remove_entry(path: str | os.PathLike) -> None:
         os.unlink(path)
     elif os.path.isdir(path):
         shutil.rmtree(path)
+
+
+def move_into(fresh: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Move everything ``fresh`` holds into ``dest`` by renames: a link in ``dest`` is replaced, never written
+    through; a folder merges into a plain folder of the same name. ``fresh`` is left empty."""
+    fresh, dest = Path(fresh), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(fresh.iterdir()):
+        target = dest / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            if target.is_dir() and not target.is_symlink():
+                move_into(entry, target)
+                entry.rmdir()
+                continue
+            if target.is_symlink():
+                os.unlink(target)  # a link where a folder goes: the link goes, its target stays
+        os.replace(entry, target)  # rename(2) replaces a link itself
