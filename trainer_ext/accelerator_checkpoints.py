@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .checkpointing import accelerate_format
+from .checkpointing import accelerate_format, links
 from .checkpointing import loop_state as checkpoint
 from .checkpointing.marker import COMPLETE
 from .errors import ConfigError
@@ -172,27 +171,46 @@ class CheckpointsMixin:
             )
         return Path(self.project_dir) / "checkpoints"
 
-    def _automatic_folder(self) -> Path:
-        """``project_dir/checkpoints/checkpoint_<iteration>``, after deleting the oldest beyond ``total_limit``."""
+    def _automatic_folder(self) -> tuple[Path, list[Path]]:
+        """``project_dir/checkpoints/checkpoint_<iteration>``, and the oldest folders beyond ``total_limit`` that
+        accelerate deletes for it: deleted here only once the new checkpoint is committed (:meth:`_rotate`)."""
         root = self._checkpoints_root("save_state() with automatic_checkpoint_naming")
         config = self.project_configuration
         if self.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
-            saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
-            extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
-            if extra > 0:
-                logger.warning("Deleting %d checkpoints to make room for new checkpoint.", extra)
-                for _, folder in saved[:extra]:
-                    shutil.rmtree(folder)
-        self.wait_for_everyone()  # every process looks at the folder after the main one made room
+        self.wait_for_everyone()  # every process looks at the folder after the main one made it
+        saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
+        extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
+        doomed = [folder for _, folder in saved[: max(extra, 0)]]
         folder = root / f"checkpoint_{config.iteration}"
-        if folder.exists():
+        if folder.exists() and folder not in doomed:
             raise ConfigError(
                 f"Checkpoint directory {folder} ({config.iteration}) already exists. Please manually override "
                 "`self.save_iteration` with what iteration to start with."
             )
         self.wait_for_everyone()
-        return folder
+        return folder, doomed
+
+    def _rotate(self, doomed: list[Path], kept: Path, aside: Path | None) -> None:
+        """After a committed save: delete the folders accelerate's rotation deletes (a link: the link itself)."""
+        if self.is_main_process and doomed:
+            logger.warning("Deleting %d checkpoints to make room for new checkpoint.", len(doomed))
+            for folder in [*doomed, *([aside] if aside is not None else [])]:
+                if folder != kept:  # the new checkpoint took this one's place
+                    links.remove_entry(folder)
+        self.wait_for_everyone()  # no process lists the checkpoints while they are being deleted
+
+    def _set_aside(self, folder: Path) -> Path | None:
+        """A doomed ``folder`` about to be reused that is not one of ours (accelerate's): renamed aside, so that a
+        failed save can put it back; None when there is nothing to set aside."""
+        aside = folder.with_name(f".{folder.name}.rotated")
+        if not folder.is_dir() or folder.is_symlink() or (folder / COMPLETE).is_file():
+            return None  # absent, a link (refused by the save) or ours (replaced by the save's own swap)
+        links.refuse_link(aside, "the checkpoint set aside")
+        if self.is_main_process:
+            os.replace(folder, aside)
+        self.wait_for_everyone()
+        return aside
 
     def _hidden_from_hooks(self, model: torch.nn.Module) -> bool:
         strategy = self.engine.strategy
@@ -228,8 +246,9 @@ class CheckpointsMixin:
                 "save_state(safe_serialization=False): weights are written as safetensors all the same (load_state "
                 "reads them; pickled weights are not written)"
             )
+        doomed: list[Path] = []
         if self.project_configuration.automatic_checkpoint_naming:
-            output_dir = self._automatic_folder()
+            output_dir, doomed = self._automatic_folder()
         elif output_dir is None:
             output_dir = self._checkpoints_root("save_state()") / "checkpoint"
         objects = self._checkpoint_objects()
@@ -250,13 +269,21 @@ class CheckpointsMixin:
             dropped = [m for m, w in zip(whole, originals, strict=True) if not any(w is kept for kept in weights)]
             models[:] = [m for m in models if not any(m is d for d in dropped)]
 
-        path = checkpoint.save_state(
-            output_dir,
-            self.state,
-            **objects,
-            extra={"step": self.step, "processes": self.num_processes},
-            before_write=before_write,
-        )
+        aside = self._set_aside(Path(output_dir)) if Path(output_dir) in doomed else None
+        try:
+            path = checkpoint.save_state(
+                output_dir,
+                self.state,
+                **objects,
+                extra={"step": self.step, "processes": self.num_processes},
+                before_write=before_write,
+            )
+        except BaseException:
+            if aside is not None and self.is_main_process and not Path(output_dir).exists():
+                os.replace(aside, output_dir)  # the save failed: the folder it was to replace is back
+            raise
+        # rotation only now, with the new checkpoint committed: a failed save leaves the previous ones loadable
+        self._rotate(doomed, path, aside)
         if self.is_main_process:
             dataloaders, scaler = len(objects["dataloaders"]), self.scaler is not None
             for line in accelerate_format.saved_lines(path, dataloaders, objects["custom"], scaler):
