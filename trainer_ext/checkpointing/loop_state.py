@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from ..saving import tied_groups, unique_state_dict
 from . import sharded as sharded_checkpoint
 from .durable import flush_tree, fsync_dir
+from .links import refuse_link, refuse_links_under
 from .marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker, remove_marker, write_marker
 from .together import agreed, own_checksums, verify_together
 from .verification import seal_hint
@@ -63,6 +64,19 @@ def _check_replaceable(final: Path) -> None:
             f"{' ...' if len(others) > 3 else ''}); save_state replaces the whole folder, so it refuses: move them "
             "or pick another output_dir"
         )
+
+
+def _refuse_links(final: Path) -> None:
+    """ConfigError (one line) when the folder, its staging and set-aside names, or anything inside the folder being
+    replaced is a symbolic link: a save never writes, renames into or deletes through a link."""
+    for folder, what in (
+        (final, "the save_state folder"),
+        (_staging(final), "a save_state staging folder"),
+        (_replaced(final), "a save_state folder set aside"),
+    ):
+        refuse_link(folder, what)
+        if folder.is_dir():  # reused, or a crash's leftover that may be moved into its place
+            refuse_links_under(folder, what)
 
 
 def _recover(final: Path) -> None:
@@ -149,7 +163,8 @@ def save_state(
     (it becomes ``directory`` at the commit); it may shorten ``models`` (its files are then its own).
     """
     final = Path(directory)
-    _check_replaceable(final)  # every rank decides alike (the same files): none goes on alone
+    _refuse_links(final)  # every rank decides alike (the same files): none goes on alone
+    _check_replaceable(final)
     out = _staging(final)
 
     def stage() -> None:
