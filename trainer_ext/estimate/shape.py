@@ -35,6 +35,7 @@ class ModelShape:
     causal_lm: bool
     attn_implementation: str = "sdpa"
     factored_trainable: int = 0  # Adafactor's state elements: rows + columns per trainable matrix, numel per vector
+    blocks_params: int = 0  # parameters of all the repeated blocks together (0: num_layers x layer_params)
 
     @property
     def head_dim(self) -> int:
@@ -43,7 +44,7 @@ class ModelShape:
     @property
     def outer_params(self) -> int:
         """Parameters outside the repeated blocks (embeddings, final norm, head): FSDP2's root unit."""
-        return max(self.params - self.num_layers * self.layer_params, 0)
+        return max(self.params - (self.blocks_params or self.num_layers * self.layer_params), 0)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelShape:
@@ -53,8 +54,9 @@ class ModelShape:
         params = sum(_numel(p) for p in unique)
         trainable = sum(_numel(p) for p in unique if p.requires_grad)
         factored = sum(_factored(p) for p in unique if p.requires_grad)
-        layers = _repeated_blocks(model)
-        layer_params = sum(_numel(p) for p in layers[0].parameters()) if layers else 0
+        configured = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+        layers = repeated_blocks(model, configured)
+        sizes = [sum(_numel(p) for p in block.parameters()) for block in layers]
         hidden = _first(config, "hidden_size", "n_embd", "d_model", default=0)
         heads = _first(config, "num_attention_heads", "n_head", default=1)
         architectures = type(model).__name__
@@ -62,8 +64,9 @@ class ModelShape:
             model_type=str(getattr(config, "model_type", "unknown")),
             params=params,
             trainable=trainable,
-            layer_params=layer_params,
-            num_layers=_first(config, "num_hidden_layers", "n_layer", default=len(layers)) or len(layers),
+            layer_params=max(sizes, default=0),
+            blocks_params=sum(sizes),
+            num_layers=len(layers) or (configured if isinstance(configured, int) and configured > 0 else 0),
             hidden=hidden,
             intermediate=_first(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden,
             heads=heads,
@@ -90,11 +93,29 @@ def _factored(p: torch.nn.Parameter) -> int:
     return leading * shape[-2] + leading * shape[-1]  # exp_avg_sq_row (shape[:-1]) + exp_avg_sq_col
 
 
-def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder/encoder blocks: its ``_no_split_modules`` classes, else the longest ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+def repeated_blocks(model: torch.nn.Module, configured: int | None = None) -> list[torch.nn.Module]:
+    """The model's repeated layers (the units FSDP2/ZeRO-3 gather one at a time), chosen by count and structure.
+
+    Candidates are the outermost ModuleLists whose entries are all of one class (a block's own inner lists are not
+    candidates); the one holding ``configured`` (the config's layer count) entries wins, a ``_no_split_modules``
+    class and then the larger block breaking ties; without one, a ``_no_split_modules`` list, then the longest.
+    ``configured`` 0: none. A class named in ``_no_split_modules`` but occurring once (BERT's embeddings) is never the layer."""
+    if not isinstance(configured, int) or isinstance(configured, bool):
+        configured = None
+    elif configured <= 0:
+        return []
+    lists = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+    }
+    outermost = [module for name, module in lists.items() if not any(name.startswith(f"{other}.") for other in lists)]
+    if not outermost:
+        return []
+    unsplit = set(getattr(model, "_no_split_modules", None) or ())
+
+    def rank(blocks: torch.nn.ModuleList) -> tuple[bool, bool, int, int]:
+        size = sum(_numel(p) for p in blocks[0].parameters())
+        return len(blocks) == configured, type(blocks[0]).__name__ in unsplit, len(blocks), size
+
+    return list(max(outermost, key=rank))
