@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -203,3 +204,47 @@ def test_fsdp_given_to_the_launcher_reaches_an_unchanged_script(tmp_path, home):
     assert sharded["weights"].keys() == replicated["weights"].keys()
     for key, values in sharded["weights"].items():
         assert values == pytest.approx(replicated["weights"][key], rel=1e-5, abs=1e-6), key
+
+
+SAVE_ON_SIGTERM = """
+import os, signal, sys, time
+from pathlib import Path
+out, handle = Path(sys.argv[1]), sys.argv[2] == "save"
+stop = []
+if handle:
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+rank = int(os.environ.get("RANK", "0"))
+if "WORLD_SIZE" in os.environ:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+(out / f"ready{rank}").write_text("")
+deadline = time.monotonic() + 60  # bounded: a rank the signal never reaches ends by itself
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.05)
+(out / f"saved{rank}").write_text("")  # what a preemption save does, then its exit code
+sys.exit(75 if stop else 1)
+"""
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize(("ranks_do", "code"), [("save", 75), ("die", 143)])
+def test_sigterm_to_the_launcher_gives_the_ranks_exit_code(tmp_path, home, processes, ranks_do, code):
+    """SIGTERM to `trainer-ext launch` alone (`kill PID`, a scheduler): the ranks get it (torchrun passes it on, or
+    the launcher does for one process); when they save and exit 75 the launcher exits 75, which
+    scripts/slurm.sbatch requeues on; ranks that die of it give 128 + 15."""
+    script = tmp_path / "save_on_sigterm.py"
+    script.write_text(SAVE_ON_SIGTERM)
+    proc = launch(
+        "--cpu", "--num_processes", str(processes), str(script), str(tmp_path), ranks_do, env=environment(home)
+    )
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{rank}").exists() for rank in range(processes)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    if ranks_do == "save":
+        assert sorted(p.name for p in tmp_path.glob("saved*")) == [f"saved{rank}" for rank in range(processes)]
