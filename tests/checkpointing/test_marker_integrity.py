@@ -121,6 +121,23 @@ def test_a_folder_holding_only_a_marker_is_not_a_checkpoint(run_dir: Path, caplo
     assert _trainer(run_dir).resolve_resume(True) == str(run_dir / "checkpoint-4")
 
 
+def test_a_file_left_out_of_a_resealed_marker_is_refused_not_trusted(run_dir: Path, caplog) -> None:
+    """A marker resealed by hand without ``optimizer.pt``: its bytes were then loaded unchecked (here another
+    step's optimizer state, which loads fine). Every file of the folder must be listed."""
+    newest = run_dir / "checkpoint-4"
+    body = json.loads((newest / COMPLETE).read_text())
+    del body["files"]["optimizer.pt"], body["crc32"]["optimizer.pt"]
+    (newest / COMPLETE).write_text(json.dumps(seal(body)))
+    shutil.copyfile(run_dir / "checkpoint-2" / "optimizer.pt", newest / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=f"optimizer.pt is not listed in {COMPLETE}"):
+        verify(newest)
+    with caplog.at_level("WARNING"):
+        assert _trainer(run_dir).resolve_resume(True) == str(run_dir / "checkpoint-2")
+    assert f"skipping checkpoint-4: optimizer.pt is not listed in {COMPLETE}" in caplog.text
+    with pytest.raises(ConfigError, match="refusing to resume from .*optimizer.pt is not listed"):
+        _trainer(run_dir).resolve_resume(str(newest))
+
+
 def test_a_checkpoint_folder_that_is_a_link_is_refused_and_never_rotated(run_dir: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     (run_dir / "checkpoint-4").rename(elsewhere)

@@ -362,7 +362,8 @@ def verify(
     kind: str | None = None,
 ) -> dict[str, Any]:
     """Check a checkpoint: marker present and whole, file sizes and checksums as committed, the contents its kind
-    needs (``kind``, else the marker's), every file it loads readable safely.
+    needs (``kind``, else the marker's), every file it loads readable safely; every file listed in the marker (one
+    it leaves out was added, or dropped from a marker resealed by hand: refused, never loaded unchecked).
 
     ``part=(i, n)``: checksum only every n-th committed file from the i-th, so n processes share the reading.
     A refusal caused by files that differ from their marker says how to commit them (:data:`SEAL_COMMAND`).
@@ -382,6 +383,7 @@ def verify(
                 + ("" if unfinished else seal_hint(src, "removed it"))
             )
         marker = {}
-    for problem in find_problems(src, marker, part=part, kind=kind or marker.get("kind")):
+    # a marker lists every file of its folder when written: one it leaves out is not trusted (nor loaded unchecked)
+    for problem in find_problems(src, marker, part=part, kind=kind or marker.get("kind"), extra=bool(marker)):
         raise CheckpointError(problem.text + (seal_hint(src) if problem.changed else ""))
     return marker
