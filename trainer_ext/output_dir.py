@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from .errors import ConfigError
 
 RUN_FILE = "trainer_ext_run.json"
 RUN_FILE_TMP = f".{RUN_FILE}.tmp"
+_CHECKPOINT = re.compile(r"checkpoint-\d+")
 # What a finished run leaves in output_dir besides checkpoints; removed by --overwrite_output_dir.
 RUN_ARTIFACTS = (
     RUN_FILE,
@@ -177,12 +179,19 @@ def written_links(out: Path, overwrite: bool = False) -> list[Path]:
         return []
     kept = [out / run_lock.LOCK_FILE, out / RUN_FILE_TMP]
     removed = [out / name for name in RUN_ARTIFACTS + RUN_FOLDERS]
-    checkpoints = sorted_checkpoints(out)  # links to folders included
+    checkpoints = checkpoint_entries(out)
     found = [p for p in kept + ([] if overwrite else removed + checkpoints) if p.is_symlink()]
     if not overwrite:
         folders = checkpoints + [out / name for name in RUN_FOLDERS]
         found += [link for p in folders if not p.is_symlink() for link in links_under(p)]
     return found
+
+
+def checkpoint_entries(out: Path) -> list[Path]:
+    """Every ``checkpoint-N`` entry of ``out``: folders, and links of any kind (to a folder, a file, nowhere)."""
+    found = sorted_checkpoints(out)
+    links = [p for p in out.iterdir() if _CHECKPOINT.fullmatch(p.name) and p.is_symlink() and p not in found]
+    return found + sorted(links)
 
 
 def check_links(out: Path, overwrite: bool = False) -> None:
@@ -226,7 +235,7 @@ def start_run(args: TrainJobArguments, trainer: Any) -> None:
         check_links(out, args.overwrite_output_dir)  # again: a link may have been made since check()
         run_lock.acquire(out)  # before anything is deleted or written: another run may be writing here
         if args.overwrite_output_dir and out.is_dir():
-            doomed = sorted_checkpoints(out) + [out / name for name in RUN_ARTIFACTS + RUN_FOLDERS]
+            doomed = checkpoint_entries(out) + [out / name for name in RUN_ARTIFACTS + RUN_FOLDERS]
             for path in doomed:  # decided first; a link is removed itself, never what it points to
                 remove_entry(path)
         tmp = out / RUN_FILE_TMP

@@ -9,6 +9,7 @@ link replaced, not followed). Each case once wrote through its link.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,7 @@ WRITTEN = [
     ("trainer_ext_run.json", False),
     (".trainer_ext_run.json.tmp", False),
     ("checkpoint-2", True),
+    ("checkpoint-3", False),  # a link named like a checkpoint, to a file
     ("checkpoint-2/optimizer.pt", False),
     ("checkpoint-2/trainer_state.json", False),
     ("model.safetensors", False),
@@ -236,12 +238,13 @@ def test_overwrite_removes_a_checkpoint_link_itself_and_keeps_its_target(tmp_pat
     out = tmp_path / "out"
     train(_job(out))
     (out / "checkpoint-4").symlink_to(victim, target_is_directory=True)
+    (out / "checkpoint-6").symlink_to(tmp_path / "nowhere", target_is_directory=True)
     (out / "report").rename(tmp_path / "report")
     (out / "report").symlink_to(tmp_path / "report", target_is_directory=True)
     report = _fingerprint(tmp_path / "report")
     train(_job(out, overwrite_output_dir=True))
     assert _fingerprint(victim) == before and _fingerprint(tmp_path / "report") == report
-    assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4").is_symlink()
+    assert not os.path.lexists(out / "checkpoint-4") and not os.path.lexists(out / "checkpoint-6")
     assert (out / "checkpoint-2").is_dir() and not (out / "report").is_symlink()
 
 
