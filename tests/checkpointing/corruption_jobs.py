@@ -65,6 +65,14 @@ def _symlink(path: Path, outside: Path) -> None:
     path.symlink_to(copy)
 
 
+def _link_folder(path: Path, outside: Path) -> None:
+    """The folder moved outside the checkpoint and a link left in its place: every file as committed, reached
+    through the link (``.``: the checkpoint folder itself)."""
+    moved = outside / path.name
+    shutil.move(path, moved)
+    path.symlink_to(moved, target_is_directory=True)
+
+
 def _json(text: str) -> Callable[[Path, Path], None]:
     def write(path: Path, outside: Path) -> None:
         path.write_text(text)
@@ -80,10 +88,14 @@ DAMAGES: dict[str, Callable[[Path, Path], None]] = {
     "symlink": _symlink,
 }
 JSON_DAMAGES: dict[str, Callable[[Path, Path], None]] = {"json []": _json("[]"), "json 1": _json("1")}
+FOLDER_DAMAGES: dict[str, Callable[[Path, Path], None]] = {"folder symlink": _link_folder}
+# the folders of a checkpoint (``.``: checkpoint-4 itself) that get FOLDER_DAMAGES instead of the files' damages
+FOLDERS = (".", "model_sharded", "optimizer_sharded", "global_step4")
 
 # (kind, file inside checkpoint-N) for each strategy; the damages a file gets depend on whether it is JSON
 FILES: dict[str, list[tuple[str, str]]] = {
     "single": [
+        ("checkpoint folder", "."),
         ("marker", "COMPLETE"),
         ("weights", "model.safetensors"),
         ("optimizer", "optimizer.pt"),
@@ -92,6 +104,8 @@ FILES: dict[str, list[tuple[str, str]]] = {
         ("trainer state", "trainer_state.json"),
     ],
     "fsdp": [
+        ("DCP folder", "model_sharded"),
+        ("DCP folder", "optimizer_sharded"),
         ("DCP shard", "model_sharded/__1_0.distcp"),
         ("DCP metadata", "model_sharded/.metadata"),
         ("DCP shard", "optimizer_sharded/__0_0.distcp"),
@@ -99,6 +113,7 @@ FILES: dict[str, list[tuple[str, str]]] = {
         ("RNG (per rank)", "rng_state_1.pth"),
     ],
     "deepspeed": [
+        ("DeepSpeed tag folder", "global_step4"),
         ("DeepSpeed shard", "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt"),
         ("DeepSpeed shard", "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
         ("DeepSpeed latest", "latest"),
@@ -107,6 +122,8 @@ FILES: dict[str, list[tuple[str, str]]] = {
 
 
 def damages_for(name: str) -> dict[str, Callable[[Path, Path], None]]:
+    if name in FOLDERS:
+        return FOLDER_DAMAGES
     return {**DAMAGES, **JSON_DAMAGES} if name == "COMPLETE" or name.endswith(".json") else DAMAGES
 
 

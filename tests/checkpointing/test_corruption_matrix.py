@@ -1,7 +1,7 @@
 """The corruption matrix: every file kind of a checkpoint x every damage never gets the damaged checkpoint resumed.
 
 For each case (corruption_jobs.py), ``checkpoint-2`` and ``checkpoint-4`` of a real run are copied and one file of
-``checkpoint-4`` is damaged: ``resolve_resume(True)`` must fall back to ``checkpoint-2`` and log why, and
+``checkpoint-4`` is damaged (or one of its folders, or the checkpoint folder itself, replaced by a link): ``resolve_resume(True)`` must fall back to ``checkpoint-2`` and log why, and
 ``resolve_resume(<checkpoint-4>)`` must refuse it with a ConfigError; both reasons name the damaged file.
 One-process kinds (marker, weights, optimizer, scheduler, RNG, trainer state) run here; FSDP2's DCP shards and
 DeepSpeed ZeRO-3's files come from one 2-rank run each, resolved by Trainers on both ranks, then re-checked here with
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 SAID_AS = {
     ("model_sharded/.metadata", "delete"): "the model's weights",
     ("latest", "delete"): "the model's weights",
+    (".", "folder symlink"): f"{jobs.DAMAGED} is itself a symbolic link",
 }
 
 
