@@ -9,6 +9,7 @@ group, created once while all ranks are at the start of training.
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -57,21 +58,28 @@ class BarrierCallback(TrainerCallback):
             return
         seconds = self.timeout if self.timeout is not None else float(args.ddp_timeout)
         group = self._gloo_group()
+        started = time.monotonic()
         try:
             dist.monitored_barrier(group=group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
         except RuntimeError as error:
             rank, text = dist.get_rank(), str(error)
             missing = missing_ranks(text)
+            # the time this rank actually waited: a rank that crashed ends the barrier long before the timeout
+            waited = f"after waiting {time.monotonic() - started:.1f} s (timeout {seconds:g} s)"
+            first_line = text.splitlines()[0] if text else type(error).__name__
             if missing:
                 message = (
-                    f"ranks {', '.join(map(str, missing))} did not reach the barrier {stage} within {seconds:g} s "
-                    f"(rank {rank} waited for them). A rank is stuck, crashed, or took a different path; "
-                    "see its own log"
+                    f"ranks {', '.join(map(str, missing))} did not reach the barrier {stage}: rank {rank} gave up "
+                    f"{waited}. A rank is stuck, crashed, or took a different path; see its own log"
+                )
+            elif rank == 0:
+                message = (
+                    f"rank 0 lost another rank at the barrier {stage} {waited} ({first_line}); a rank crashed or "
+                    "left; see its own log"
                 )
             else:
-                first_line = text.splitlines()[0] if text else type(error).__name__
                 message = (
-                    f"rank {rank} reached the barrier {stage} but was not released by rank 0 within {seconds:g} s "
+                    f"rank {rank} reached the barrier {stage} but was not released by rank 0; it gave up {waited} "
                     f"({first_line}); rank 0's error names the ranks that did not arrive"
                 )
             raise BarrierTimeoutError(message, stage, missing) from error
