@@ -8,10 +8,11 @@ file is for and the path: "--config run.yaml is not valid YAML: ...".
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -41,20 +42,66 @@ def load_mapping(
     YAML; ``suffixes`` refuses other file types; ``unique_keys`` refuses a JSON key given twice (which JSON
     parsers otherwise resolve silently, last one wins); ``hint`` is added to the message for a missing file.
     """
-    file = Path(path).expanduser()
     name = f"{what} {os.fspath(path)}"
-    if suffixes is not None and not file.name.lower().endswith(tuple(suffixes)):
+    if suffixes is not None and not os.fspath(path).lower().endswith(tuple(suffixes)):
         raise ConfigError(f"{name}: unsupported file type; use {', '.join(suffixes)}")
-    if not file.exists():
-        raise ConfigError(f"{name} does not exist (no such file){hint}")
-    if file.is_dir():
-        raise ConfigError(f"{name} is a directory, not a config file")
+    chosen = fmt or file_format(path)
+    text = read_text(path, name, limit=MAX_JSON_BYTES if chosen == JSON else MAX_YAML_BYTES, hint=hint)
+    return parse_mapping(text, name, fmt=chosen, unique_keys=unique_keys)
+
+
+MAX_YAML_BYTES = 1 << 20  # configs are a few KB; PyYAML reads about 150 KB a second
+MAX_JSON_BYTES = 16 << 20  # a model's config.json with a large label map runs to a few MB
+_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def read_text(path: str | os.PathLike, name: str, *, limit: int = MAX_YAML_BYTES, hint: str = "") -> str:
+    """The UTF-8 text of the regular file ``path`` (``~`` expanded), at most ``limit`` bytes; one ConfigError
+    naming ``name`` for anything else: missing, a folder, a FIFO or device (never opened to block or read
+    without end), too large, a path the file system refuses (too long, a loop of links), not UTF-8."""
+    file = os.path.expanduser(os.fspath(path))
+    try:  # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{name} does not exist (no such file){hint}") from None
+    except OSError as error:
+        raise ConfigError(_os_problem(name, error)) from None
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise ConfigError(f"{name} cannot be read: {why}") from None
-    return parse_mapping(text, name, fmt=fmt or file_format(file), unique_keys=unique_keys)
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"{name} is a directory, not a config file")
+        if not stat.S_ISREG(info.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+            raise ConfigError(f"{name} is {kind}, not a regular file; give the path of a YAML or JSON file")
+        too_large = ConfigError(f"{name} is larger than {limit >> 10} KiB; a config file is a few KB of keys")
+        if info.st_size > limit:
+            raise too_large
+        chunks, left = [], limit + 1  # a file that grows while read (or a /proc file of size 0) stays bounded
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise too_large
+        return b"".join(chunks).decode("utf-8")
+    except OSError as error:
+        raise ConfigError(_os_problem(name, error)) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{name} cannot be read: {error}") from None
+    finally:
+        os.close(fd)
+
+
+def _os_problem(name: str, error: OSError) -> str:
+    """An OSError about a config file as one line (ENAMETOOLONG says to shorten the path)."""
+    why = error.strerror or str(error)
+    if error.errno == errno.ENAMETOOLONG:
+        return f"{name}: the path is too long for the file system ({why}); use a shorter path"
+    return f"{name} cannot be read: {why}"
 
 
 MAX_DEPTH = 64  # levels of nesting: real configs use a handful; thousands would exhaust the stack downstream
@@ -108,10 +155,86 @@ def _parse(text: str, what: str, fmt: str, unique_keys: bool) -> Any:
             raise ConfigError(f"{what} is not valid: duplicate key {error.key!r}; keep one of them") from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader that also checks keys and aliases
+        except _Refused as error:
+            raise ConfigError(f"{what} {error}") from None
         except yaml.YAMLError as error:
             raise ConfigError(f"{what} is not valid YAML: {_yaml_problem(error, text)}") from None
     return data
+
+
+MAX_NODES = 100_000  # values in a YAML document once its aliases are expanded; configs hold a few hundred
+
+
+class _Refused(ValueError):
+    """A YAML document refused before it is built: a key given twice, aliases that expand without bound."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml's safe loader, and each document checked once composed, before any value is built: every mapping's
+    keys unique, and at most MAX_NODES values with every alias expanded (a "billion laughs" is a few hundred
+    bytes of aliases of aliases), no alias inside the node it names."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_document(node, self)
+        return node
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_document(root: yaml.Node, loader: _Loader) -> None:
+    """_Refused unless every mapping's keys are unique and the document, aliases expanded, holds at most
+    MAX_NODES nodes; each distinct node is visited once (sizes of shared nodes are remembered), without recursion."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # the nodes on the path from the root: an alias to one of them is a loop
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = min(MAX_NODES + 1, 1 + sum(sizes[id(child)] for child in _children(node)))
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            line = node.start_mark.line + 1
+            raise _Refused(f"is not valid: the YAML anchor at line {line} is used inside itself; write the values out")
+        if isinstance(node, yaml.MappingNode):
+            _check_keys(node, loader)
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    if sizes[id(root)] > MAX_NODES:
+        raise _Refused(
+            f"holds more than {MAX_NODES:,} values once its YAML aliases (*name) are expanded; "
+            "write out what is repeated, or refer to fewer aliases"
+        )
+
+
+def _check_keys(node: yaml.MappingNode, loader: _Loader) -> None:
+    """_Refused for a scalar key given twice in ``node`` (merge keys ``<<`` aside: a key may override them)."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+        except TypeError:  # unhashable: yaml's own constructor says so
+            continue
+        if first is not None:
+            raise _Refused(
+                f"is not valid YAML: line {line}: duplicate key {key!r} (first at line {first}); keep one of them"
+            )
+        seen[key] = line
 
 
 SNIPPET_WIDTH = 100  # characters of the offending line shown around the caret
