@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..job_fields import PRESETS
+from ..model_limits import check_model_config, load_model_config
 from .lengths import sample_column, sequence_length
 from .setup import Setup, setup_from_values
 from .shape import ModelShape
@@ -101,6 +103,23 @@ def vocabulary_note(args: Any, tokenizer: Any) -> str | None:
     )
 
 
+def _config_source(args: Any) -> str:
+    """How messages name a from-scratch config once sized to the tokenizer, the labels and --max_seq_length."""
+    if args.model_config and args.model_config not in PRESETS:
+        return f"--model_config {args.model_config} (as sized to the data)"
+    return f"the preset {args.model_config or 'of --task'} (as sized to the data and --max_seq_length)"
+
+
+def checked_config(args: Any) -> Any:
+    """The config of ``--model_name_or_path`` or of a ``--model_config`` file, its sizes checked
+    (:func:`~trainer_ext.model_limits.load_model_config`); None for a preset (checked once built)."""
+    if args.model_name_or_path:
+        return load_model_config(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
+    if args.model_config and args.model_config not in PRESETS:
+        load_model_config(args.model_config)
+    return None
+
+
 def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
     """The job's model on the meta device, its sequence length and notes (:func:`vocabulary_note`); ConfigError on
     unreadable data or config."""
@@ -108,6 +127,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
 
     from ..api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
 
+    config = checked_config(args)  # before the data is read or anything built
     raw = load_raw_datasets(args)
     text_column, label_column = resolve_columns(args, raw)
     labels = label_names(args, raw, label_column) if label_column else None
@@ -120,14 +140,13 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
     with torch.device("meta"):
         if args.model_name_or_path:  # the config only: weights are never read
             auto = transformers.AutoModelForSequenceClassification if labels else transformers.AutoModelForCausalLM
-            config = transformers.AutoConfig.from_pretrained(
-                args.model_name_or_path, trust_remote_code=args.trust_remote_code
-            )
             if labels:
                 config.num_labels = len(labels)
+            check_model_config(config, f"--model_name_or_path {args.model_name_or_path}")
             model = auto.from_config(config, trust_remote_code=args.trust_remote_code)
         else:
             model = build_model(args, tokenizer, labels)
+            check_model_config(model.config, _config_source(args))  # sized to the tokenizer and the labels
         if args.lora_r:  # as train: only the adapters (and a classifier head) train
             from ..lora import apply_lora
 
