@@ -176,3 +176,24 @@ def test_a_failed_save_into_a_reused_folder_keeps_both(tmp_path: Path) -> None:
         accelerator.save_state()
     assert [n for n in _names(tmp_path) if not n.startswith(".")] == ["checkpoint_0", "checkpoint_1"]
     accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_1")
+
+
+def test_a_foreign_folder_reused_by_number_is_put_back_when_the_save_fails(tmp_path: Path) -> None:
+    """A ``checkpoint_0`` not written by us (accelerate's, say) that the rotation deletes for the new
+    ``checkpoint_0``: set aside during the save, back in place when it fails, deleted once a save succeeds."""
+    folder = tmp_path / "checkpoints" / "checkpoint_0"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"theirs")
+    accelerator, model, optimizer, failing = _prepared(tmp_path, total_limit=1)
+    failing.full = True
+    with pytest.raises(OSError, match="No space left"):
+        accelerator.save_state()
+    assert (folder / "model.safetensors").read_bytes() == b"theirs"
+    assert [n for n in _names(tmp_path) if not n.startswith(".")] == ["checkpoint_0"]
+    failing.full = False
+    assert Path(accelerator.save_state()).name == "checkpoint_0"
+    assert _names(tmp_path) == ["checkpoint_0"]  # accelerate's result: the old one deleted, the new one there
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(accelerator, model, optimizer)
+    accelerator.load_state(folder)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
