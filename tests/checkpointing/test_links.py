@@ -9,6 +9,7 @@ link replaced, not followed). Each case once wrote through its link.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from transformers import TrainerCallback
 
 from tests.helpers.jobs import make_args
-from tests.helpers.ranks import child_env
+from tests.helpers.ranks import child_env, run_ranks
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.api import train
@@ -85,6 +86,16 @@ def test_a_checkpoint_folder_that_is_a_link_is_refused_at_the_save(tmp_path: Pat
     with pytest.raises(ConfigError) as refused:
         _trainer(out).train()
     _one_line(refused.value, out / "checkpoint-2")
+    assert _fingerprint(victim) == before
+
+
+@pytest.mark.distributed
+def test_on_two_ranks_every_rank_refuses_the_save_and_none_waits(tmp_path: Path) -> None:
+    victim, before = _victim(tmp_path, folder=True)
+    run_ranks("tests.checkpointing.link_job", 2, str(tmp_path), str(victim), timeout=200)
+    errors = [json.loads((tmp_path / f"rank{rank}.json").read_text())["error"] for rank in (0, 1)]
+    _one_line(ConfigError(errors[0]), tmp_path / "run" / "checkpoint-2")
+    assert errors[1] is not None and str(tmp_path / "run" / "checkpoint-2") in errors[1]
     assert _fingerprint(victim) == before
 
 
