@@ -193,3 +193,15 @@ def load_model_config(
         raise ConfigError(f"{source} cannot be read as a model config: {words}{hint}") from None
     check_model_config(config, source)
     return config
+
+
+def check_job_config(args: Any) -> transformers.PretrainedConfig | None:
+    """The config of a job's ``--model_name_or_path`` or ``--model_config`` file, checked by
+    :func:`load_model_config` before the data is read or anything built; None for a preset (check it once sized)."""
+    from .job_fields import PRESETS
+
+    if args.model_name_or_path:
+        return load_model_config(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
+    if args.model_config and args.model_config not in PRESETS:
+        return load_model_config(args.model_config)
+    return None

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..job_fields import PRESETS
-from ..model_limits import check_model_config, load_model_config
+from ..model_limits import check_job_config, check_model_config
 from .lengths import sample_column, sequence_length
 from .setup import Setup, setup_from_values
 from .shape import ModelShape
@@ -110,16 +110,6 @@ def _config_source(args: Any) -> str:
     return f"the preset {args.model_config or 'of --task'} (as sized to the data and --max_seq_length)"
 
 
-def checked_config(args: Any) -> Any:
-    """The config of ``--model_name_or_path`` or of a ``--model_config`` file, its sizes checked
-    (:func:`~trainer_ext.model_limits.load_model_config`); None for a preset (checked once built)."""
-    if args.model_name_or_path:
-        return load_model_config(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
-    if args.model_config and args.model_config not in PRESETS:
-        load_model_config(args.model_config)
-    return None
-
-
 def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
     """The job's model on the meta device, its sequence length and notes (:func:`vocabulary_note`); ConfigError on
     unreadable data or config."""
@@ -127,7 +117,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
 
     from ..api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
 
-    config = checked_config(args)  # before the data is read or anything built
+    config = check_job_config(args)  # before the data is read or anything built
     raw = load_raw_datasets(args)
     text_column, label_column = resolve_columns(args, raw)
     labels = label_names(args, raw, label_column) if label_column else None
