@@ -7,6 +7,7 @@ file, a config file that is not UTF-8 or is nested thousands deep (also for ``co
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -132,4 +133,56 @@ def test_an_empty_train_file_says_it_is_empty(tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     said = _refused(capsys, "train", "--train_file", str(empty), "--output_dir", str(out))
     assert f"could not load data from {str(empty)!r}: {str(empty)!r} is empty (0 bytes)" in said
+    assert not out.exists()
+
+
+def _config_readers(path: str, out: Path) -> list[tuple[str, ...]]:
+    """Every command that reads a config file the user names: train, the launcher, the validator."""
+    return [
+        ("train", "--config", path, "--output_dir", str(out)),
+        ("launch", "--config_file", path, "--dry_run", "train"),
+        ("config", "validate", path),
+    ]
+
+
+@pytest.mark.timeout(120)  # before the fix a FIFO blocked every reader in open() until a writer came
+def test_a_config_file_that_is_not_a_regular_file_is_one_line_everywhere(tmp_path: Path, capsys) -> None:
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    long = str(tmp_path / ("a" * 300 + ".yaml"))  # ENAMETOOLONG: once a traceback from Path.exists
+    cases = [
+        (str(tmp_path / "fifo.yaml"), "fifo.yaml is a FIFO (named pipe), not a regular file"),
+        (str(tmp_path / "zero.yaml"), "zero.yaml is a character device, not a regular file"),
+        (long, "the path is too long for the file system (File name too long); use a shorter path"),
+    ]
+    out = tmp_path / "out"
+    for path, words in cases:
+        for argv in _config_readers(path, out):
+            code = main(list(argv))
+            captured = capsys.readouterr()
+            said = captured.out + captured.err
+            assert code == 2 and "Traceback" not in said, (argv, said)
+            assert words in said and len([w for w in said.splitlines() if w.startswith("error:")]) == 1, said
+    assert not out.exists()
+
+
+def test_duplicate_keys_and_alias_bombs_are_refused_by_every_reader(tmp_path: Path, capsys) -> None:
+    duplicate = tmp_path / "dup.yaml"
+    duplicate.write_text("num_processes: 1\nmixed_precision: 'no'\nnum_processes: 2\n")
+    bomb = tmp_path / "bomb.yaml"  # 9**7 values from 230 bytes
+    bomb.write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdef", "bcdefg", strict=True))
+    )
+    cases = [
+        (duplicate, "is not valid YAML: line 3: duplicate key 'num_processes' (first at line 1); keep one of them"),
+        (bomb, "values once its YAML aliases (*name) are expanded"),
+    ]
+    out = tmp_path / "out"
+    for path, words in cases:
+        for argv in _config_readers(str(path), out):
+            code = main(list(argv))
+            captured = capsys.readouterr()
+            said = captured.out + captured.err
+            assert code == 2 and "Traceback" not in said and words in said, (argv, said)
     assert not out.exists()
