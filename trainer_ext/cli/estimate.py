@@ -7,10 +7,12 @@ Takes every ``trainer-ext train`` flag (model, data, batch, precision, ``--fsdp`
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,13 +32,18 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"estimate: {message.removeprefix('argument ')}")
 
 
-def _positive(text: str) -> int:
+MAX_PROCESSES = 1 << 20  # far beyond any real job (the launcher's bound): a typo or 10**29 is refused up front
+
+
+def _process_count(text: str) -> int:
+    valid = f"a whole number between 1 and {MAX_PROCESSES}"
     try:
         number = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a whole number, got {text!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise argparse.ArgumentTypeError(f"needs {valid}, got {shown!r}") from None
+    if not 1 <= number <= MAX_PROCESSES:
+        raise argparse.ArgumentTypeError(f"{number} must be between 1 and {MAX_PROCESSES}")
     return number
 
 
@@ -49,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "accepted (trainer-ext train --help).",
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    parser.add_argument("--num_processes", type=_positive, default=1, help="processes (ranks) to estimate for")
+    parser.add_argument("--num_processes", type=_process_count, default=1, help="processes (ranks) to estimate for")
     parser.add_argument(
         "--device_memory",
         metavar="SIZE",
@@ -104,12 +111,69 @@ def _model_line(shape: Any) -> str:
     )
 
 
+def check_json_target(path: str) -> None:
+    """ConfigError now, before the estimate and a --measure run, for a --json path the file system refuses
+    (too long, a loop of links, a file where a folder should be)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass  # a new file: its folder is checked by check_writable
+    except OSError as error:
+        raise ConfigError(_cannot_write(path, error)) from None
+
+
+def write_json_file(path: str, document: dict[str, Any]) -> None:
+    """Write ``document`` to ``path`` whole or not at all: a regular file (or a new one) is written beside it and
+    renamed over it; a device or FIFO (/dev/stdout, a pipe) is written in place, a FIFO without a reader refused
+    rather than waited for. ConfigError with the system's reason (a full disk, an I/O error) on failure."""
+    text = json.dumps(document, indent=2, sort_keys=True) + "\n"
+    try:
+        special = os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode)
+        if special:
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            return
+        folder, name = os.path.split(os.path.abspath(path))
+        fd, temporary = tempfile.mkstemp(prefix=f".{name[:100]}.", suffix=".tmp", dir=folder)
+        try:
+            os.fchmod(fd, _file_mode(path))
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as error:
+        raise ConfigError(_cannot_write(path, error)) from None
+
+
+def _file_mode(path: str) -> int:
+    """The mode of the file ``path`` replaces, else what a new file gets under the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _cannot_write(path: str, error: OSError) -> str:
+    why = error.strerror or str(error)
+    if error.errno == errno.ENAMETOOLONG:
+        return f"--json {path}: the path is too long for the file system ({why}); use a shorter path"
+    if error.errno == errno.ENXIO:
+        return f"--json {path} is a FIFO that nothing reads; start its reader first or give a file"
+    return f"--json {path} cannot be written: {why}"
+
+
 def run_estimate(argv: Sequence[str]) -> int:
     """Print the estimate (and the measurement); exit 0, 1 when the measuring run failed."""
     from ..estimate.breakdown import estimate
     from ..estimate.fit import largest_batch, remedies
     from ..estimate.job import job_from_argv
-    from ..estimate.report import check_writable, format_breakdown, json_document, write_json
+    from ..estimate.report import check_writable, format_breakdown, json_document
     from ..estimate.startup import device_memory_bytes
 
     parser = build_parser()
@@ -119,6 +183,7 @@ def run_estimate(argv: Sequence[str]) -> int:
         return 0
     limit = device_memory_bytes(options.device_memory) if options.device_memory is not None else None
     if options.json:
+        check_json_target(options.json)
         check_writable(options.json)  # before the estimate and a --measure run, not after
     started = time.perf_counter()
     job = job_from_argv(train_argv, options.num_processes)
@@ -147,5 +212,5 @@ def run_estimate(argv: Sequence[str]) -> int:
                 verdict = "fits" if remedy.fits else "not enough alone"
                 print(f"  {remedy.flags:<70} -> {format_size(remedy.peak)} ({verdict})")
     if options.json:
-        write_json(options.json, json_document(breakdown, job.setup, extra, measured))
+        write_json_file(options.json, json_document(breakdown, job.setup, extra, measured))
     return 0
