@@ -251,6 +251,17 @@ def test_transformers_checkpoint_and_rng_file_names() -> None:
     assert durable.writer_rank("checkpoint-4/rng_state_3.pth") == 3 and durable.writer_rank("rng_state.pth") is None
 
 
+def test_torchrun_subprocess_context_keeps_its_processes_where_launch_reads_them() -> None:
+    """``trainer-ext launch`` wraps ``SubprocessContext.close`` and reads ``subprocess_handlers[rank].proc`` to learn
+    the ranks' exit codes after a signal (cli/launch/run.py ``_exit_codes_kept``)."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext, SubprocessHandler
+
+    where = "update trainer_ext/cli/launch/run.py _exit_codes_kept"
+    assert callable(getattr(SubprocessContext, "close", None)), f"SubprocessContext.close is gone: {where}"
+    assert "subprocess_handlers" in inspect.getsource(SubprocessContext), f"subprocess_handlers renamed: {where}"
+    assert "self.proc = " in inspect.getsource(SubprocessHandler), f"SubprocessHandler.proc is gone: {where}"
+
+
 # -- DeepSpeed -------------------------------------------------------------------------------------------
 # name, ZeRO stage, bf16: the checkpoints the DeepSpeed process writes
 DS_SAVES = (("zero2", 2, False), ("zero2_bf16", 2, True), ("zero3", 3, False), ("zero3_bf16", 3, True))
