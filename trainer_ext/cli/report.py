@@ -45,7 +45,10 @@ def run_report(argv: Sequence[str]) -> int:
     """Write the report; bad input raises ConfigError (one ``error:`` line, exit 2, from the CLI's main)."""
     args = _parser().parse_args(list(argv))
     began = time.perf_counter()
-    page = write_report(args.run_dirs, args.out, allow_running=args.partial, smoothing=args.smoothing)
+    notes: list[str] = []
+    page = write_report(args.run_dirs, args.out, allow_running=args.partial, smoothing=args.smoothing, notes=notes)
     figures = sorted(p.name for p in page.parent.glob("*.png"))
     print(f"report written to {page} ({len(figures)} figures, {time.perf_counter() - began:.1f} s)")
+    for line in notes:  # what was skipped or bounded, as the page lists it
+        print(f"left out: {line}")
     return 0

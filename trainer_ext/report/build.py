@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from .reading import is_dir
 from .run import load_runs
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def write_report(
     require_figures: bool = True,
     this_one_trains: bool = False,
     written_by: str = "trainer-ext report",
+    notes: list[str] | None = None,
 ) -> Path:
     """Write the figures and ``report.html`` for ``run_dirs`` into ``out_dir``; return the page's path.
 
@@ -47,7 +49,10 @@ def write_report(
     ``require_figures``, when matplotlib is missing; without it the page then holds the tables only. A folder that
     cannot be written (permissions, a full disk) is a ConfigError too. ``this_one_trains``: called by the training
     process itself (its report at a checkpoint), whose run is in progress. matplotlib's backend and rcParams are
-    left as they were. ``written_by``: who wrote the page, said in its header.
+    left as they were. ``written_by``: who wrote the page, said in its header. ``notes``: gets one line for each
+    thing skipped (an unreadable file, malformed entries) or bounded (see :mod:`.bounds`), as the page lists them.
+    The figures and the page are written under temporary names and renamed at the end: a failed write (a full
+    disk) leaves the folder as it was.
     """
     if not run_dirs:
         raise ConfigError("no run folder given")
@@ -58,29 +63,39 @@ def write_report(
         raise ConfigError(missing)
     runs = load_runs(list(run_dirs), allow_running=allow_running, this_one_trains=this_one_trains)
     out = Path(out_dir) if out_dir is not None else default_out(list(run_dirs))
-    if out.exists() and not out.is_dir():
+    if is_dir(out, "--out") is False:
         raise ConfigError(f"--out {str(out)!r} is a file; pass a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from error
+    from .figures import FIGURE_NAMES, Figure, draw_all
     from .page import render
 
     note = f"No figures: {missing}." if missing else None
     if any(run.status == "running" for run in runs):
         note = ((note + " ") if note else "") + "The run is still training: this is a partial report."
     page = out / PAGE
+    left_out = [f"{run.label}: {line}" if len(runs) > 1 else line for run in runs for line in run.notes]
+    figures: list[Figure] = []
+    tmp = out / f".{PAGE}.tmp"
     try:
-        figures = []
         if not missing:
-            from .figures import FIGURE_NAMES, draw_all
-
-            figures = draw_all(runs, out, smoothing)
-            for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
-                (out / f"{stale}.png").unlink(missing_ok=True)
-        tmp = out / f".{PAGE}.tmp"
-        tmp.write_text(render(runs, figures, note, written_by), encoding="utf-8")
+            figures = draw_all(runs, out, smoothing, left_out)
+        tmp.write_text(render(runs, figures, note, written_by, left_out), encoding="utf-8")
+        for figure in figures:  # each drawn under a temporary name: now the report is complete, they take their places
+            final = out / f"{figure.name}.png"
+            os.replace(figure.path, final)
+            figure.path = final
+        for stale in set(FIGURE_NAMES) - {f.name for f in figures}:  # from an earlier report into the same folder
+            (out / f"{stale}.png").unlink(missing_ok=True)
         os.replace(tmp, page)  # a reader never sees half a page
     except OSError as error:
         raise ConfigError(f"cannot write the report into --out {str(out)!r}: {error.strerror or error}") from error
+    finally:
+        for leftover in [tmp, *(f.path for f in figures if f.path is not None)]:
+            if leftover.name.endswith(".tmp"):
+                leftover.unlink(missing_ok=True)
+    if notes is not None:
+        notes.extend(left_out)
     return page

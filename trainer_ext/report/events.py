@@ -9,12 +9,13 @@ mark resumes, restarts and wall-clock time. A plain ``trainer_ext.Trainer`` neve
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from .reading import EVENTS_MAX_BYTES, Unreadable, read_bytes
 
 EVENTS_FILE = "trainer_ext_events.jsonl"
 
@@ -34,29 +35,51 @@ def start_fresh(output_dir: str | os.PathLike) -> None:
     (Path(output_dir) / EVENTS_FILE).unlink(missing_ok=True)
 
 
-def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The events recorded in ``run_dir``, oldest first; a torn last line (a kill mid-write) is skipped."""
+def read_events(run_dir: str | os.PathLike, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The events recorded in ``run_dir``, oldest first; a torn last line (a kill mid-write) is skipped.
+
+    A line that is not an event (not JSON, nested too deep, no kind, a time that is no plausible clock reading) is
+    skipped, and so is a log that cannot be read safely (see :mod:`.reading`); ``notes`` gets a line saying so.
+    """
     path = Path(run_dir) / EVENTS_FILE
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
+        data = read_bytes(path, EVENTS_MAX_BYTES)
+    except Unreadable as why:
+        _note(notes, f"{why}; the report shows no sessions, resumes or times")
         return []
-    events = []
-    for line in lines:
+    lines = (data or b"").decode("utf-8", errors="replace").splitlines()
+    events, bad = [], 0
+    for index, line in enumerate(lines):
         try:
-            event = json.loads(line)
+            event = _clean(json.loads(line))
+        except RecursionError:  # nested too deep: no event
+            event = None
         except ValueError:
-            continue
-        event = _clean(event)
-        if event is not None:
+            event = None
+            if index == len(lines) - 1:  # a torn last line: the normal end of a killed run, not worth a note
+                continue
+        if event is None:
+            bad += 1
+        else:
             events.append(event)
+    if bad:
+        _note(notes, f"{bad:,} line{'s' if bad > 1 else ''} of {path} skipped (not an event with a valid time)")
     return events
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is not None:
+        notes.append(text)
 
 
 # the typed fields of an event; a field of another type (a hand-edited or foreign log) is dropped, not trusted
 _INT_FIELDS = ("step", "pid", "max_steps", "world_size", "per_device_batch", "accumulation", "global_batch")
 _STR_FIELDS = ("event", "host", "strategy", "precision", "status", "checkpoint", "metric_for_best_model")
 _BOOL_FIELDS = ("resumed", "greater_is_better")
+# an event time is a Unix time: 1970 to 2286 (a time outside is a broken clock or a crafted file, and is no date)
+EARLIEST, LATEST = 0.0, 1e10
+# the largest count (step, pid, batch) taken: exact as a float, so it can be drawn and compared
+MAX_COUNT = 2**53
 
 
 def _clean(event: Any) -> dict[str, Any] | None:
@@ -64,11 +87,11 @@ def _clean(event: Any) -> dict[str, Any] | None:
     if not isinstance(event, dict) or not isinstance(event.get("event"), str):
         return None
     when = event.get("time")
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not EARLIEST <= when <= LATEST:
         return None
     out = dict(event)
     for name in _INT_FIELDS:
-        if name in out and (type(out[name]) is not int or out[name] < 0):
+        if name in out and not (type(out[name]) is int and 0 <= out[name] <= MAX_COUNT):
             del out[name]
     for name in _STR_FIELDS:
         if name in out and not isinstance(out[name], str):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .bounds import MAX_MARKS, MAX_PANELS, MAX_POINTS, left_out, literal, spread, thin
 from .run import RunData
 
 DPI = 100
@@ -88,10 +89,24 @@ def last_step(runs: list[RunData]) -> int:
 
 
 def _save(fig: Any, out: Path, figure: Figure) -> Figure:
+    """Save under a temporary name (``.NAME.png.tmp``, its ``path``): :func:`~trainer_ext.report.build.write_report`
+    renames it when the whole report is written, and removes it when a write fails (a full disk)."""
     fig.tight_layout()
-    figure.path = out / f"{figure.name}.png"
-    fig.savefig(figure.path, format="png", dpi=DPI, facecolor="white")  # rcParams are the caller's: not changed
+    tmp = out / f".{figure.name}.png.tmp"
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI, facecolor="white")  # rcParams are the caller's: not changed
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    figure.path = tmp
     return figure
+
+
+def plot(ax: Any, xs: list[float], ys: list[float], *args: Any, **kwargs: Any) -> None:
+    """``ax.plot`` of a line thinned to MAX_POINTS points (its label taken literally)."""
+    if kwargs.get("label") is not None:
+        kwargs["label"] = literal(kwargs["label"])
+    ax.plot(*thin(xs, ys), *args, **kwargs)
 
 
 def colour(index: int) -> str:
@@ -103,12 +118,12 @@ def mark_events(ax: Any, run: RunData, col: str, x_of: Callable[[list[int]], lis
     from matplotlib.transforms import blended_transform_factory
 
     bottom = blended_transform_factory(ax.transData, ax.transAxes)
-    saved = [c.step for c in run.checkpoints]
+    saved = spread([c.step for c in run.checkpoints], MAX_MARKS)
     for i, x in enumerate(x_of(saved) or []):
         ax.axvline(
             x, color=col, linestyle=":", linewidth=0.9, alpha=0.55, label="checkpoint" if label and i == 0 else None
         )
-    for i, resume in enumerate(run.resumes):
+    for i, resume in enumerate(spread(run.resumes, MAX_MARKS)):
         xs = x_of([resume.step]) or []
         for x in xs:
             ax.axvline(x, color=col, linestyle="--", linewidth=1.8, label="resume" if label and i == 0 else None)
@@ -119,7 +134,7 @@ def mark_events(ax: Any, run: RunData, col: str, x_of: Callable[[list[int]], lis
         ("skipped_optimizer_steps", "x", "fp16 skipped step"),
         ("nan_guard_skipped_steps", "v", "NaN-guard skip"),
     ):
-        events = run.skip_events(key)
+        events = spread(run.skip_events(key), MAX_POINTS)
         xs = x_of([s for s, _ in events]) or []
         if xs:
             ax.scatter(
@@ -139,7 +154,7 @@ def _steps(steps: list[int]) -> list[float]:
 
 
 def _label(run: RunData, runs: list[RunData]) -> str | None:
-    return run.label if len(runs) > 1 else None
+    return run.label if len(runs) > 1 else None  # taken literally by plot()
 
 
 def _legend(ax: Any) -> None:
@@ -165,13 +180,21 @@ def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: boo
             continue
         steps, losses = run.series("loss")
         if len(losses) == 1:  # raw and smoothed are the same point; a diamond, told apart from eval's discs
-            ax.plot(
-                x_of(steps), losses, color=col, linestyle="none", marker="D", markersize=6, label=f"{prefix}train loss"
+            plot(
+                ax,
+                x_of(steps),
+                losses,
+                color=col,
+                linestyle="none",
+                marker="D",
+                markersize=6,
+                label=f"{prefix}train loss",
             )
         elif losses:
             xs = x_of(steps)
-            ax.plot(xs, losses, color=col, alpha=0.3, linewidth=1, label=f"{prefix}train loss (raw)")
-            ax.plot(
+            plot(ax, xs, losses, color=col, alpha=0.3, linewidth=1, label=f"{prefix}train loss (raw)")
+            plot(
+                ax,
                 xs,
                 smooth(losses, smoothing),
                 color=col,
@@ -180,8 +203,15 @@ def loss_figure(runs: list[RunData], out: Path, smoothing: float, by_tokens: boo
             )
         steps, losses = run.eval_series("eval_loss")
         if losses:
-            ax.plot(
-                x_of(steps), losses, color=col, linestyle="--", marker="o", markersize=5, label=f"{prefix}eval loss"
+            plot(
+                ax,
+                x_of(steps),
+                losses,
+                color=col,
+                linestyle="--",
+                marker="o",
+                markersize=5,
+                label=f"{prefix}eval loss",
             )
         mark_events(ax, run, col, x_of, label=i == 0)
     ax.set_xlabel("tokens seen" if by_tokens else "optimizer step")
@@ -207,7 +237,7 @@ def line_figure(
     for i, run in enumerate(runs):
         steps, values = run.series(key)
         if values:
-            ax.plot(steps, values, color=colour(i), linewidth=1.6, **points(len(steps)), label=_label(run, runs))
+            plot(ax, steps, values, color=colour(i), linewidth=1.6, **points(len(steps)), label=_label(run, runs))
         mark_events(ax, run, colour(i), _steps, label=i == 0)
     values = [v for r in runs for v in r.series(key)[1]]
     if log and values and min(values) > 0 and max(values) / min(values) > 50:
@@ -229,7 +259,7 @@ def throughput_figure(runs: list[RunData], out: Path) -> Figure | None:
         for i, run in enumerate(runs):
             steps, values = run.series(key)
             if values:
-                ax.plot(steps, values, color=colour(i), linewidth=1.4, **points(len(steps)), label=_label(run, runs))
+                plot(ax, steps, values, color=colour(i), linewidth=1.4, **points(len(steps)), label=_label(run, runs))
             mark_events(ax, run, colour(i), _steps, label=False)
         ax.set_ylabel(labels[key])
         ax.set_ylim(bottom=0)
@@ -243,24 +273,35 @@ def throughput_figure(runs: list[RunData], out: Path) -> Figure | None:
     return _save(fig, out, Figure("throughput", "Throughput", caption))
 
 
-def eval_metrics_figure(runs: list[RunData], out: Path) -> Figure | None:
+def eval_metrics_figure(runs: list[RunData], out: Path, notes: list[str] | None = None) -> Figure | None:
     """A panel per eval metric (eval_loss is on the loss figure) that some run evaluated at two steps or more.
 
-    A metric evaluated once is a number, not a curve: the summary's final metrics hold it.
+    A metric evaluated once is a number, not a curve: the summary's final metrics hold it. At most MAX_PANELS
+    panels (the first metrics logged); ``notes`` says how many were left out.
     """
     names = list(dict.fromkeys(n for r in runs for n in r.eval_metric_names() if n not in ("eval_loss", *NOT_DRAWN)))
     names = [n for n in names if any(len(r.eval_series(n)[0]) > 1 for r in runs)]
     if not names:
         return None
+    if len(names) > MAX_PANELS and notes is not None:
+        notes.append(left_out("eval metrics drawn", MAX_PANELS, len(names)) + " (the first logged)")
+    names = names[:MAX_PANELS]
     fig, axes = _new(len(names), height=min(2.4 * len(names) + 0.8, 14), x_end=last_step(runs))
     for ax, name in zip(axes, names, strict=False):
         for i, run in enumerate(runs):
             steps, values = run.eval_series(name)
             if values:
-                ax.plot(
-                    steps, values, color=colour(i), marker="o", markersize=5, linewidth=1.4, label=_label(run, runs)
+                plot(
+                    ax,
+                    steps,
+                    values,
+                    color=colour(i),
+                    marker="o",
+                    markersize=5,
+                    linewidth=1.4,
+                    label=_label(run, runs),
                 )
-        ax.set_ylabel(name.removeprefix("eval_"), fontsize=9)
+        ax.set_ylabel(literal(name.removeprefix("eval_")), fontsize=9)
     axes[0].set_title("Evaluation metrics")
     axes[-1].set_xlabel("optimizer step")
     _legend(axes[0])
@@ -293,7 +334,7 @@ def stability_figure(runs: list[RunData], out: Path) -> Figure | None:
             steps.append(max(run.global_step, steps[-1]))
             total.append(total[-1])
             prefix = f"{run.label}: " if len(runs) > 1 else ""
-            ax.plot(steps, total, color=colour(i), linestyle=style, linewidth=1.8, label=f"{prefix}{name}")
+            plot(ax, steps, total, color=colour(i), linestyle=style, linewidth=1.8, label=f"{prefix}{name}")
         mark_events(ax, run, colour(i), _steps, label=i == 0)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("steps skipped (cumulative)")
@@ -306,98 +347,34 @@ def stability_figure(runs: list[RunData], out: Path) -> Figure | None:
     return _save(fig, out, Figure("skipped_steps", "Skipped steps and NaN-guard events", caption))
 
 
-def timeline_figure(runs: list[RunData], out: Path) -> Figure | None:
-    """Step against wall-clock time, one line per session: gaps are downtime, dashed lines resumes."""
-    if not any(r.segments for r in runs):
-        return None
-    span = max(s.last_time - r.segments[0].start_time for r in runs if r.segments for s in r.segments)
-    unit, scale = ("seconds", 1) if span < 180 else ("minutes", 60) if span < 3 * 3600 else ("hours", 3600)
-    fig, (ax,) = _new()
-    whole_ticks(ax.yaxis)
-    for i, run in enumerate(runs):
-        if not run.segments:
-            continue
-        origin, col = run.segments[0].start_time, colour(i)
-        bounds = [(s.start_time, s.last_time + 1e-6) for s in run.segments]
-        points: list[list[tuple[float, int]]] = [[(s.start_time, s.start_step)] for s in run.segments]
-        for event in run.events:
-            if event["event"] in ("log", "save", "end") and isinstance(event.get("step"), int):
-                for k, (lo, hi) in enumerate(bounds):
-                    if lo <= event["time"] <= hi:
-                        points[k].append((event["time"], event["step"]))
-                        break
-                if event["event"] == "save":
-                    ax.plot(
-                        [(event["time"] - origin) / scale],
-                        [event["step"]],
-                        marker="s",
-                        color=col,
-                        markersize=5,
-                        linestyle="none",
-                        label="checkpoint" if i == 0 else None,
-                    )
-        for k, (segment, pts) in enumerate(zip(run.segments, points, strict=False)):
-            xs = [(t - origin) / scale for t, _ in pts]
-            ax.plot(
-                xs,
-                [s for _, s in pts],
-                color=col,
-                linewidth=1.8,
-                **(points(1) if len(pts) == 1 else {}),
-                label=(f"{run.label}" if len(runs) > 1 and k == 0 else None),
-            )
-            if segment.resumed:
-                ax.axvline(
-                    xs[0], color=col, linestyle="--", linewidth=1.5, label="resume" if i == 0 and k == 1 else None
-                )
-            if segment.status in ("interrupted", "stopped", "running"):
-                ax.plot(
-                    [xs[-1]],
-                    [pts[-1][1]],
-                    marker="X",
-                    color=col,
-                    markersize=9,
-                    linestyle="none",
-                    label=f"{segment.status}" if i == 0 else None,
-                )
-    ax.set_xlabel(f"wall-clock {unit} since the first start")
-    ax.set_ylabel("optimizer step")
-    ax.set_title("Progress over time: sessions, checkpoints, resumes")
-    _legend(ax)
-    caption = (
-        "Each training session (process start to end or interruption) is a line; squares are checkpoints, "
-        "crosses interruptions, dashed lines resumes. Steps trained again after a resume show as a drop."
-    )
-    return _save(fig, out, Figure("timeline", "Progress over wall-clock time", caption))
+def draw_all(runs: list[RunData], out: Path, smoothing: float, notes: list[str] | None = None) -> list[Figure]:
+    """Every figure that has data, in page order, each saved under its temporary name (see :func:`_save`); when one
+    fails, those already saved are removed. ``notes`` gets a line for each thing left out of them."""
+    from .timeline import timeline_figure
 
-
-def draw_all(runs: list[RunData], out: Path, smoothing: float) -> list[Figure]:
-    """Every figure that has data, in page order."""
-    figures = [
-        loss_figure(runs, out, smoothing),
-        loss_figure(runs, out, smoothing, by_tokens=True),
-        line_figure(
-            runs,
-            out,
-            "learning_rate",
-            "learning_rate",
-            "Learning rate",
-            "learning rate",
-            "The learning rate at each logged step (the schedule counts optimizer steps).",
+    lr_caption = "The learning rate at each logged step (the schedule counts optimizer steps)."
+    norm_caption = "The total gradient norm before clipping (log scale when it spans more than 50×)."
+    draws: list[Callable[[], Figure | None]] = [
+        lambda: loss_figure(runs, out, smoothing),
+        lambda: loss_figure(runs, out, smoothing, by_tokens=True),
+        lambda: line_figure(runs, out, "learning_rate", "learning_rate", "Learning rate", "learning rate", lr_caption),
+        lambda: line_figure(
+            runs, out, "grad_norm", "grad_norm", "Gradient norm", "gradient norm", norm_caption, log=True
         ),
-        line_figure(
-            runs,
-            out,
-            "grad_norm",
-            "grad_norm",
-            "Gradient norm",
-            "gradient norm",
-            "The total gradient norm before clipping (log scale when it spans more than 50×).",
-            log=True,
-        ),
-        throughput_figure(runs, out),
-        eval_metrics_figure(runs, out),
-        stability_figure(runs, out),
-        timeline_figure(runs, out),
+        lambda: throughput_figure(runs, out),
+        lambda: eval_metrics_figure(runs, out, notes),
+        lambda: stability_figure(runs, out),
+        lambda: timeline_figure(runs, out, notes),
     ]
-    return [f for f in figures if f is not None]
+    figures: list[Figure] = []
+    try:
+        for draw in draws:
+            figure = draw()
+            if figure is not None:
+                figures.append(figure)
+    except BaseException:
+        for figure in figures:
+            if figure.path is not None:
+                figure.path.unlink(missing_ok=True)
+        raise
+    return figures

@@ -6,10 +6,15 @@ import base64
 import datetime
 import html
 from pathlib import Path
+from typing import TypeVar
 
+from .bounds import MAX_ROWS
+from .bounds import left_out as left_out_note
 from .figures import Figure
 from .run import RunData
 from .summary import duration, summary_rows
+
+T = TypeVar("T")
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1000px;
@@ -50,23 +55,32 @@ def summary_table(runs: list[RunData]) -> str:
     return "<table class='summary'>" + "".join(lines) + "</table>"
 
 
-def events_table(run: RunData) -> str:
-    """Sessions, resumes, checkpoints and skipped steps of one run."""
+def _newest(items: list[T], what: str, run: RunData, notes: list[str] | None) -> list[tuple[int, T]]:
+    """The newest MAX_ROWS of ``items``, numbered from 1; ``notes`` says how many were left out."""
+    if len(items) > MAX_ROWS and notes is not None:
+        notes.append(
+            left_out_note(f"{run.label}: {what} listed in the events table (the newest)", MAX_ROWS, len(items))
+        )
+    return list(enumerate(items, start=1))[-MAX_ROWS:]
+
+
+def events_table(run: RunData, notes: list[str] | None = None) -> str:
+    """Sessions, resumes, checkpoints and skipped steps of one run (the newest MAX_ROWS of each kind)."""
     rows = []
-    for number, segment in enumerate(run.segments, start=1):
+    for number, segment in _newest(run.segments, "sessions", run, notes):
         how = f"resumed from checkpoint-{segment.start_step}" if segment.resumed else "fresh start"
         rows.append(
             f"<tr><td>session {number}</td><td>{_e(_when(segment.start_time))}</td><td>{_e(how)}; steps "
             f"{segment.start_step}–{segment.last_step}; {_e(segment.status)} after {_e(duration(segment.seconds))}"
             f" (pid {_e(segment.info.get('pid'))} on {_e(segment.info.get('host'))})</td></tr>"
         )
-    for resume in run.resumes:
+    for _, resume in _newest(run.resumes, "resumes", run, notes):
         redone = f"; {resume.redone_steps} steps trained again" if resume.redone_steps else ""
         rows.append(
             f"<tr><td>resume</td><td>{_e(_when(resume.time))}</td><td>at step {resume.step}, after the previous "
             f"session was {_e(resume.after)}{_e(redone)}</td></tr>"
         )
-    for checkpoint in run.checkpoints:
+    for _, checkpoint in _newest(run.checkpoints, "checkpoints", run, notes):
         where = checkpoint.path.name if checkpoint.path is not None else "removed by rotation"
         state = "complete" if checkpoint.complete else "INCOMPLETE (no COMPLETE marker: never resumed from)"
         when = _when(checkpoint.time) if checkpoint.time else ""
@@ -77,7 +91,7 @@ def events_table(run: RunData) -> str:
         ("skipped_optimizer_steps", "fp16 skipped steps"),
         ("nan_guard_skipped_steps", "NaN-guard skips"),
     ):
-        for step, count in run.skip_events(key):
+        for _, (step, count) in _newest(run.skip_events(key), name, run, notes):
             rows.append(f"<tr><td>{_e(name)}</td><td></td><td>{count} by step {step}</td></tr>")
     if not rows:
         return "<p class='meta'>No events recorded.</p>"
@@ -89,9 +103,16 @@ def _image(path: Path) -> str:
 
 
 def render(
-    runs: list[RunData], figures: list[Figure], note: str | None = None, written_by: str = "trainer-ext report"
+    runs: list[RunData],
+    figures: list[Figure],
+    note: str | None = None,
+    written_by: str = "trainer-ext report",
+    left_out: list[str] | None = None,
 ) -> str:
-    """The whole page; ``written_by`` names who wrote it (the report command, or the training job itself)."""
+    """The whole page; ``written_by`` names who wrote it (the report command, or the training job itself);
+    ``left_out``: what was skipped or bounded, listed on the page (the events tables add theirs to it)."""
+    notes = left_out if left_out is not None else []
+    tables = [events_table(run, notes) for run in runs]
     title = "Training report: " + ", ".join(run.label for run in runs)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -102,13 +123,16 @@ def render(
     ]
     if note:
         parts.append(f"<p class='warn'>{_e(note)}</p>")
+    if notes:
+        items = "".join(f"<li>{_e(line)}</li>" for line in notes)
+        parts.append(f"<div class='warn'>Left out of this report:<ul>{items}</ul></div>")
     parts += ["<h2>Summary</h2>", summary_table(runs)]
     for figure in figures:
         parts.append(
             f"<h2>{_e(figure.title)}</h2><figure><img alt='{_e(figure.title)}' src='{_image(figure.path)}'>"
             f"<figcaption>{_e(figure.caption)}</figcaption></figure>"
         )
-    for run in runs:
-        parts += [f"<h2>Events{_e(': ' + run.label) if len(runs) > 1 else ''}</h2>", events_table(run)]
+    for run, table in zip(runs, tables, strict=True):
+        parts += [f"<h2>Events{_e(': ' + run.label) if len(runs) > 1 else ''}</h2>", table]
     parts.append("</body></html>")
     return "\n".join(parts)

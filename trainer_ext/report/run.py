@@ -8,21 +8,25 @@ along, so a run that died between checkpoints still reports up to its last save.
 
 from __future__ import annotations
 
-import json
-import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from ..checkpointing import marker as markers
 from ..checkpointing.listing import sorted_checkpoints
 from ..errors import ConfigError
+from .clean import clean_job, clean_results, clean_state, finite
 from .events import EVENTS_FILE, process_alive, read_events, seconds_since
+from .reading import STATE_MAX_BYTES, Unreadable, is_dir, optional_object, parse_json, read_bytes, read_json
 
 STATE_FILE = "trainer_state.json"
 JOB_FILE = "trainer_ext_run.json"
 # another host's run counts as still training while its last event is younger than this
 QUIET_SECONDS = 15 * 60
+# how far ahead of this host's clock another host's may run; an event further in the future is no sign of life
+CLOCK_SKEW = 5 * 60
 TOKEN_KEYS = ("num_input_tokens_seen", "tokens_seen")
 # eval_* values that describe speed, not the model
 EVAL_SPEED = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_samples")
@@ -74,18 +78,19 @@ class RunData:
     checkpoints: list[Checkpoint]
     segments: list[Segment]
     status: str  # finished | stopped | interrupted | running | unknown
+    notes: list[str] = field(default_factory=list)  # what was skipped or left out, one line each
 
     # -- the series ---------------------------------------------------------------------------------------
     @property
     def history(self) -> list[dict[str, Any]]:
         return self.state.get("log_history") or []
 
-    @property
+    @cached_property
     def train_logs(self) -> list[dict[str, Any]]:
         """Training log lines (those with ``loss``), one per step, in step order."""
         return _by_step(e for e in self.history if "loss" in e and "step" in e)
 
-    @property
+    @cached_property
     def eval_logs(self) -> list[dict[str, Any]]:
         """Evaluation results, one per step. train() evaluates again after the final step (with
         --load_best_model_at_end, the best checkpoint's model): there the evaluation made in training counts."""
@@ -108,19 +113,26 @@ class RunData:
                     names[key] = None
         return list(names)
 
-    @property
+    @cached_property
     def token_key(self) -> str | None:
         """The log key counting tokens seen, when the run logged one."""
         return next((k for k in TOKEN_KEYS if any(_finite(e.get(k)) and e[k] > 0 for e in self.history)), None)
 
     def tokens_at(self, steps: list[int]) -> list[float] | None:
         """Tokens seen at ``steps`` (interpolated between logged counts), or None when the run did not count them."""
+        if self._token_counts is None:
+            return None
+        xs, ys = self._token_counts
+        return [_interp(step, xs, ys) for step in steps]
+
+    @cached_property
+    def _token_counts(self) -> tuple[list[float], list[float]] | None:
+        """(steps, tokens seen) where the run logged its count, from (0, 0); None when it did not count them."""
         key = self.token_key
         if key is None:
             return None
         known = sorted({e["step"]: float(e[key]) for e in self.history if "step" in e and _finite(e.get(key))}.items())
-        xs, ys = [0] + [s for s, _ in known], [0.0] + [t for _, t in known]
-        return [_interp(step, xs, ys) for step in steps]
+        return [0] + [s for s, _ in known], [0.0] + [t for _, t in known]
 
     def skip_events(self, key: str) -> list[tuple[int, int]]:
         """(step, how many) where a cumulative counter (``skipped_optimizer_steps``, ``nan_guard_skipped_steps``)
@@ -166,8 +178,7 @@ class RunData:
         return next((e for e in reversed(self.events) if e["event"] == "start"), {})
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+_finite = finite  # the name summary.py imports
 
 
 def _by_step(entries: Any, first: bool = False) -> list[dict[str, Any]]:
@@ -186,32 +197,22 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
             if len(xs) < 2 or xs[-1] == xs[-2]
             else ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         )
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            span = xs[i] - xs[i - 1]
-            return ys[i] if span == 0 else ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / span
-    return ys[-1]
+    i = max(bisect_left(xs, x), 1)  # xs ascend: the first index with x <= xs[i]
+    span = xs[i] - xs[i - 1]
+    return ys[i] if span == 0 else ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / span
 
 
 def _read_json(path: Path) -> Any:
+    """The run's trainer state: needed, so a file that cannot be read safely is a ConfigError (one line)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror or error}") from error
-    if not text.strip():
-        raise ConfigError(f"{path} is empty: the run has logged nothing yet (or the file was cut short)")
-    try:
-        return json.loads(text)
-    except ValueError as error:
-        raise ConfigError(f"{path} is not valid JSON ({error}); the file may have been cut short") from error
-
-
-def _optional_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        data = read_bytes(path, STATE_MAX_BYTES)
+        if data is None:
+            raise ConfigError(f"cannot read {path}: no such file")
+        if not data.strip():
+            raise ConfigError(f"{path} is empty: the run has logged nothing yet (or the file was cut short)")
+        return parse_json(data, path)
+    except Unreadable as why:
+        raise ConfigError(f"{why}: the report needs it") from why
 
 
 def _marker_of(folder: Path) -> dict[str, Any] | None:
@@ -264,19 +265,29 @@ def list_checkpoints(run_dir: Path, events: list[dict[str, Any]]) -> list[Checkp
     return [found[s] for s in sorted(found)]
 
 
-def _pick_state(run_dir: Path, checkpoints: list[Checkpoint]) -> Path | None:
-    """The trainer_state.json that reaches furthest: the run's own or its newest checkpoint's (top-level on a tie)."""
+def _pick_state(run_dir: Path, checkpoints: list[Checkpoint], notes: list[str]) -> Path | None:
+    """The trainer_state.json that reaches furthest: the run's own or its newest checkpoint's (top-level on a tie).
+
+    One that cannot be read safely is passed over (said in ``notes``) while another can; else it is returned, and
+    reading it says why it cannot be used.
+    """
     candidates = [run_dir / STATE_FILE] + [
         c.path / STATE_FILE for c in reversed(checkpoints) if c.path is not None and c.complete
     ][:1]
-    best, best_step = None, -1
-    for path in candidates:
-        if not path.is_file():
+    present = [path for path in candidates if path.exists() or path.is_symlink()]
+    best, best_step, passed = None, -1, []
+    for path in present:
+        try:
+            value = read_json(path, STATE_MAX_BYTES)
+        except Unreadable as why:
+            passed.append(str(why))
             continue
-        step = _optional_json(path).get("global_step", 0) if path.stat().st_size else -1
+        step = value.get("global_step", 0) if isinstance(value, dict) else -1
         if isinstance(step, int) and step > best_step:
             best, best_step = path, step
-    return best or next((p for p in candidates if p.is_file()), None)
+    if best is not None:
+        notes += [f"{why}: not read, the report is drawn from {best}" for why in passed]
+    return best or (present[0] if present else None)
 
 
 def segments_of(events: list[dict[str, Any]], *, this_one_trains: bool = False) -> list[Segment]:
@@ -312,51 +323,9 @@ def segments_of(events: list[dict[str, Any]], *, this_one_trains: bool = False) 
 
 def _still_running(segment: Segment, events: list[dict[str, Any]], this_one_trains: bool) -> bool:
     alive = process_alive(segment.info, this_one_trains=this_one_trains)
-    if alive is None:  # another host: judge by the last sign of life
-        return seconds_since(events[-1]) < QUIET_SECONDS
+    if alive is None:  # another host: judge by the last sign of life, when its clock reading is believable
+        return -CLOCK_SKEW <= seconds_since(events[-1]) < QUIET_SECONDS
     return alive
-
-
-def _step(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
-def _clean_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The trainer state with malformed log entries and fields dropped (a hand-edited or foreign file)."""
-    history = state.get("log_history")
-    entries = [e for e in history if isinstance(e, dict)] if isinstance(history, list) else []
-    # an entry with a step that is no count (a string, null) is skipped; one without a step is kept (no curve uses it)
-    state["log_history"] = [e for e in entries if "step" not in e or _step(e["step"])]
-    for name in ("global_step", "max_steps"):
-        if name in state and not _step(state[name]):
-            del state[name]
-    if "global_step" not in state:
-        state["global_step"] = max((e["step"] for e in state["log_history"] if "step" in e), default=0)
-    if "epoch" in state and not _finite(state["epoch"]):
-        del state["epoch"]
-    for name in ("best_model_checkpoint",):
-        if name in state and not isinstance(state[name], str):
-            del state[name]
-    return state
-
-
-# the job's fields the report shows as text
-JOB_TEXT = (
-    "model_name_or_path",
-    "model_config",
-    "dataset_name",
-    "dataset_config_name",
-    "train_file",
-    "validation_file",
-    "task",
-    "metric_for_best_model",
-)
-
-
-def _clean_job(value: Any) -> dict[str, Any] | None:
-    if not isinstance(value, dict) or not value:
-        return None
-    return {k: v for k, v in value.items() if isinstance(k, str) and (k not in JOB_TEXT or isinstance(v, str))}
 
 
 def load_run(
@@ -367,11 +336,13 @@ def load_run(
     ``this_one_trains``: called from the training process itself (the report at a checkpoint), which is running.
     """
     run_dir = Path(path)
-    if not run_dir.exists():
+    kind = is_dir(run_dir, "run folder")
+    if kind is None:
         raise ConfigError(f"{str(path)!r}: no such folder. Pass the --output_dir of a training run")
-    if not run_dir.is_dir():
+    if not kind:
         raise ConfigError(f"{str(path)!r} is a file, not a run folder. Pass the --output_dir of a training run")
-    events = read_events(run_dir)
+    notes: list[str] = []
+    events = read_events(run_dir, notes)
     checkpoints = list_checkpoints(run_dir, events)
     segments = segments_of(events, this_one_trains=this_one_trains)
     if segments and segments[-1].status == "running" and not allow_running:
@@ -381,7 +352,7 @@ def load_run(
             f"{segments[-1].last_step}); its report is refreshed at each checkpoint in {run_dir / 'report'} and "
             "written in full when it ends (or pass --partial to plot it now)"
         )
-    state_file = _pick_state(run_dir, checkpoints)
+    state_file = _pick_state(run_dir, checkpoints, notes)
     if state_file is None:
         if events:
             raise ConfigError(
@@ -395,13 +366,13 @@ def load_run(
     state = _read_json(state_file)
     if not isinstance(state, dict):
         raise ConfigError(f"{state_file} is not a trainer state (expected a JSON object)")
-    state = _clean_state(state)
+    state = clean_state(state, str(state_file), notes)
     if not any("step" in e for e in state["log_history"]):
         raise ConfigError(
             f"{state_file} has an empty log (log_history holds no logged step): nothing to plot. "
             "Log more often (--logging_steps) or train longer"
         )
-    job = _clean_job(_optional_json(run_dir / JOB_FILE).get("job"))
+    job = clean_job(optional_object(run_dir / JOB_FILE, notes).get("job"))
     status = segments[-1].status if segments else ("finished" if (run_dir / STATE_FILE).is_file() else "unknown")
     run = RunData(
         path=run_dir,
@@ -410,10 +381,11 @@ def load_run(
         state_file=state_file,
         job=job,
         events=events,
-        results=_optional_json(run_dir / "all_results.json"),
+        results=clean_results(optional_object(run_dir / "all_results.json", notes)),
         checkpoints=checkpoints,
         segments=segments,
         status=status,
+        notes=notes,
     )
     return run
 

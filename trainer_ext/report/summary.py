@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import statistics
@@ -12,6 +11,8 @@ from typing import Any
 from ..checkpointing import marker as markers
 from ..checkpointing.verification import check_safetensors
 from ..values import FALSE_WORDS, TRUE_WORDS
+from .bounds import MAX_METRICS
+from .reading import Unreadable, optional_object, read_json
 from .run import EVAL_SPEED, RunData, _finite
 
 # metrics where higher is better; any other is taken as lower-is-better (losses, perplexity)
@@ -83,12 +84,12 @@ def _params(folder: Path) -> tuple[int, bool] | None:
                 return _safetensors_params(folder / name), adapter
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
             if not shards or any(Path(shard).name != shard for shard in shards):
                 return None
             return sum(_safetensors_params(folder / shard) for shard in shards), False
-    except (markers.CheckpointError, OSError, ValueError, AttributeError, TypeError):
+    except (markers.CheckpointError, Unreadable, OSError, ValueError, AttributeError, TypeError):
         return None
     return None
 
@@ -101,10 +102,7 @@ def model_text(run: RunData) -> str:
     config = {}
     for folder in [run.path] + [c.path for c in reversed(run.checkpoints) if c.path is not None]:
         if (folder / "config.json").is_file():
-            try:
-                config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                config = {}
+            config = optional_object(folder / "config.json")
             break
     config = config if isinstance(config, dict) else {}
     parts = [name] if name else []
@@ -193,7 +191,10 @@ def best_metrics(run: RunData) -> dict[str, tuple[int, float]]:
 
 
 def _metrics_text(metrics: dict[str, tuple[int, float]]) -> str:
-    return "; ".join(f"{name} {number(value)} (step {step})" for name, (step, value) in metrics.items()) or "none"
+    """The metrics as text, the first MAX_METRICS of them (and how many more)."""
+    shown = list(metrics.items())[:MAX_METRICS]
+    text = "; ".join(f"{name} {number(value)} (step {step})" for name, (step, value) in shown) or "none"
+    return text + (f"; and {len(metrics) - MAX_METRICS:,} more" if len(metrics) > MAX_METRICS else "")
 
 
 def throughput_text(run: RunData) -> str:
