@@ -41,7 +41,7 @@ def acquire(directory: str | os.PathLike) -> None:
     key = folder.resolve()
     if key in _held:
         return
-    fd = open_no_follow(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT)  # a link there: refused, never truncated
+    fd = open_no_follow(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, what="the run lock")  # a link: refused
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

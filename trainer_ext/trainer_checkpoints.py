@@ -280,7 +280,7 @@ class CheckpointingMixin:
 
     def _prepare_folder(self, folder: Path) -> None:
         """The link rule and a clean start for ``checkpoint-N`` (saving processes): refuse a link at or inside it,
-        clear a folder no valid marker commits (a save that died: nothing of it is reused), tag the save."""
+        clear what an earlier save left there (one that died, or of another run), tag the save."""
         if not self.args.should_save:
             return
         refuse_links_under(folder, f"checkpoint {folder.name}, about to be saved")
@@ -289,9 +289,9 @@ class CheckpointingMixin:
                 f"{str(folder)!r} is not a folder: the checkpoint of step {self.state.global_step} goes there. "
                 "Move it away and run again"
             )
-        if folder.is_dir() and not marker.is_complete(folder):
-            shutil.rmtree(folder)  # a dead save; no link inside (refused above), so nothing outside is touched
-        marker.remove_marker(folder)  # an older save of the same step is no longer complete
+        if folder.is_dir():  # a dead save, or an older one of this step: rewritten whole, nothing of it reused
+            marker.remove_marker(folder)  # first: a half-cleared folder is never taken for a complete one
+            shutil.rmtree(folder)  # no link inside (refused above): nothing outside the folder is touched
         marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
 
     def _raise_if_disk_full(self, error: BaseException, folder: Path) -> None:

@@ -145,17 +145,44 @@ def test_a_link_inside_a_checkpoint_folder_that_is_saved_again_is_refused(
     assert _fingerprint(victim) == before
 
 
-def test_a_dead_checkpoint_folder_is_cleared_before_it_is_saved_again(tmp_path: Path) -> None:
-    """A killed save left checkpoint-2 with a folder where trainer_state.json goes, and a stray file: the next save
-    at step 2 starts from an empty folder (it raised IsADirectoryError) and commits only what it wrote."""
+@pytest.mark.parametrize("state", ["dead", "complete"])
+def test_a_checkpoint_folder_is_cleared_before_it_is_saved_again(tmp_path: Path, state: str) -> None:
+    """A killed save (or an earlier run's checkpoint) left checkpoint-2 with a folder where trainer_state.json goes
+    and a stray file: the next save at step 2 starts from an empty folder (it raised IsADirectoryError) and commits
+    only what it wrote."""
     out = tmp_path / "out"
     dead = out / "checkpoint-2"
+    if state == "complete":
+        _trainer(tmp_path / "earlier").train()
+        shutil.copytree(tmp_path / "earlier" / "checkpoint-2", dead)
+        (dead / "trainer_state.json").unlink()
     (dead / "trainer_state.json").mkdir(parents=True)
     (dead / SAVING).touch()
     (dead / "pytorch_model.bin").write_bytes(b"stale weights of a save that died")
     _trainer(out).train()
     assert (dead / "trainer_state.json").is_file() and not (dead / "pytorch_model.bin").exists()
     verify(dead, kind="trainer")
+
+
+@pytest.mark.parametrize(
+    ("name", "save"),
+    [
+        ("config.json", "save_model"),
+        ("training_args.bin", "save_model"),
+        ("all_results.json", "save_metrics"),
+        ("trainer_state.json", "save_state"),
+    ],
+)
+def test_the_trainers_own_final_saves_refuse_a_link_where_they_write(tmp_path: Path, name: str, save: str) -> None:
+    victim, before = _victim(tmp_path, folder=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    trainer = _trainer(out)
+    with pytest.raises(ConfigError) as refused:
+        trainer.save_metrics("train", {"loss": 1.0}) if save == "save_metrics" else getattr(trainer, save)()
+    _one_line(refused.value, out / name)
+    assert _fingerprint(victim) == before
 
 
 # ------------------------------------------------------------------------------ train(args): every path it writes
@@ -238,6 +265,21 @@ def test_a_link_made_during_the_run_where_the_results_go_is_refused(tmp_path: Pa
         train(_job(out, save_strategy="no"), callbacks=[LinkAt(1, out / "train_results.json", victim)])
     _one_line(refused.value, out / "train_results.json")
     assert _fingerprint(victim) == before
+
+
+def test_the_lock_is_never_opened_through_a_link(tmp_path: Path) -> None:
+    """The lock file as a link (also a dangling one): it was opened through it and the target truncated."""
+    from trainer_ext import run_lock
+
+    victim, before = _victim(tmp_path, folder=False)
+    for target in (victim, tmp_path / "nowhere"):
+        out = tmp_path / f"out-{target.name}"
+        out.mkdir()
+        (out / run_lock.LOCK_FILE).symlink_to(target)
+        with pytest.raises(ConfigError) as refused:
+            run_lock.acquire(out)
+        _one_line(refused.value, out / run_lock.LOCK_FILE)
+    assert _fingerprint(victim) == before and not (tmp_path / "nowhere").exists()
 
 
 # ------------------------------------------------------------------------------ --overwrite_output_dir

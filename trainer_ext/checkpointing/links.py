@@ -46,13 +46,13 @@ def refuse_links_under(folder: str | os.PathLike, what: str = "a checkpoint") ->
         refuse_link(path, f"inside {what}")
 
 
-def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o644, what: str = "this path") -> int:
     """``os.open`` that refuses (ConfigError) instead of following a link at ``path``."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW, mode)
     except OSError as error:
         if os.path.islink(path):
-            refuse_link(path)
+            refuse_link(path, what)
         raise error
 
 
