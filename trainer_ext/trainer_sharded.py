@@ -19,6 +19,7 @@ import torch
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from .checkpointing import sharded as sharded_checkpoint
+from .checkpointing import together
 from .distributed.strategies import checkpoint_owner
 from .errors import ConfigError
 from .trainer_checkpoints import refuse_saved_links
@@ -50,8 +51,12 @@ class ShardedCheckpointMixin:
         """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors.
 
         A final save refuses a link where it writes (the link rule; a checkpoint's folder was checked before)."""
-        if not _internal_call and self.args.should_save:
-            refuse_saved_links(output_dir if output_dir is not None else self.args.output_dir)
+        if not _internal_call:
+            where = output_dir if output_dir is not None else self.args.output_dir
+            if self.model_is_sharded():  # every rank is here (the export gathers): all refuse, none waits
+                together.agreed(lambda: refuse_saved_links(where) if self.args.should_save else None, str, ConfigError)
+            elif self.args.should_save:
+                refuse_saved_links(where)
         if not self.model_is_sharded():
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir

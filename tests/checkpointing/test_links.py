@@ -90,12 +90,14 @@ def test_a_checkpoint_folder_that_is_a_link_is_refused_at_the_save(tmp_path: Pat
 
 
 @pytest.mark.distributed
-def test_on_two_ranks_every_rank_refuses_the_save_and_none_waits(tmp_path: Path) -> None:
-    victim, before = _victim(tmp_path, folder=True)
-    run_ranks("tests.checkpointing.link_job", 2, str(tmp_path), str(victim), timeout=200)
+@pytest.mark.parametrize(("where", "link"), [("checkpoint", "checkpoint-2"), ("export", "config.json")])
+def test_on_two_ranks_every_rank_refuses_and_none_waits(tmp_path: Path, where: str, link: str) -> None:
+    """A checkpoint-N link at the save (DDP); a link made during the run where FSDP2's gathered model goes."""
+    victim, before = _victim(tmp_path, folder=where == "checkpoint")
+    run_ranks("tests.checkpointing.link_job", 2, str(tmp_path), str(victim), where, timeout=200)
     errors = [json.loads((tmp_path / f"rank{rank}.json").read_text())["error"] for rank in (0, 1)]
-    _one_line(ConfigError(errors[0]), tmp_path / "run" / "checkpoint-2")
-    assert errors[1] is not None and str(tmp_path / "run" / "checkpoint-2") in errors[1]
+    _one_line(ConfigError(errors[0]), tmp_path / "run" / link)
+    assert errors[1] is not None and str(tmp_path / "run" / link) in errors[1]
     assert _fingerprint(victim) == before
 
 

@@ -34,6 +34,7 @@ from .. import _compat
 from ..checkpointing import sharded as sharded_checkpoint
 from ..checkpointing.links import move_into, remove_entry
 from ..distributed.strategies import checkpoint_owner
+from ..errors import ConfigError
 from ..saving import is_peft_model, save_model, tied_groups
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
@@ -210,6 +211,8 @@ class UnwrapAndSaveCallback(TrainerCallback):
         if write and sharded:  # every rank takes part in gathering the shards
             try:
                 trainer.save_model(folder)
+            except ConfigError:
+                raise  # a link where the model goes: refused on every rank alike (the link rule)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         if args.should_save and error is None:
