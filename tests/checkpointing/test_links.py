@@ -332,3 +332,21 @@ def test_an_output_dir_too_long_for_the_file_system_is_one_line_exit_2(tmp_path:
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "too long for the file system" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_the_cli_refuses_a_link_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    victim, before = _victim(tmp_path, folder=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint-2").symlink_to(victim, target_is_directory=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer_ext", "train", "--output_dir", str(out), "--max_steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**child_env(), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(out / "checkpoint-2") in errors[0] and "Traceback" not in proc.stderr
+    assert _fingerprint(victim) == before
