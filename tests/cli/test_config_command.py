@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,18 @@ def test_validate_checks_the_fsdp_settings(gpus, tmp_path, capsys):
     one = tmp_path / "one.yaml"  # one FSDP process is launched through torchrun: a process group of one
     one.write_text(yaml.safe_dump({**FSDP_NO_SHARD, "num_processes": 1, "fsdp_config": {"fsdp_version": 2}}))
     assert main(["config", "validate", str(one)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)  # a FIFO target once blocked the write until a reader came
+def test_a_target_that_is_not_a_regular_file_is_refused_before_writing(gpus, tmp_path, capsys):
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "full.yaml").symlink_to("/dev/full")
+    cases = [
+        (tmp_path / "fifo.yaml", "fifo.yaml is not a regular file (a FIFO or a device)"),
+        (tmp_path / "full.yaml", "full.yaml is not a regular file (a FIFO or a device)"),
+        (tmp_path / ("c" * 300 + ".yaml"), "File name too long; choose another --config_file"),
+    ]
+    for path, words in cases:
+        assert main(["config", "--default", "--overwrite", "--config_file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and words in err, err

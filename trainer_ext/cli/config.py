@@ -13,6 +13,7 @@ the file's keys or ``--kind``.
 from __future__ import annotations
 
 import argparse
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -151,12 +152,21 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
-    """Refuse, before any question, a path that is a folder or an existing file not to be replaced."""
-    if path.is_dir():
+    """Refuse, before any question, a path that is a folder, a FIFO or device (writing would block or go nowhere),
+    one the file system refuses (too long), or an existing file not to be replaced."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # a new file; a folder that cannot be made is said by write_config
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror or error}; choose another --config_file") from None
+    if stat.S_ISDIR(mode):
         raise ConfigError(
             f"{path} is a directory; --config_file takes the path of a file, e.g. {path / 'default_config.yaml'}"
         )
-    if path.exists() and not overwrite:
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path} is not a regular file (a FIFO or a device); --config_file takes the path of a file")
+    if not overwrite:
         raise ConfigError(f"{path} already exists; pass --overwrite to replace it, or --config_file elsewhere")
 
 
