@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -72,9 +71,3 @@ def check_writable(path: str) -> None:
         raise ConfigError(f"--json {path!r}: the folder {folder!r} does not exist; create it or choose another path")
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"--json {path!r}: the folder {folder!r} is not writable")
-
-
-def write_json(path: str, document: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=2, sort_keys=True)
-        handle.write("\n")
