@@ -14,8 +14,9 @@ import contextlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 256 << 20  # an index names each tensor once: megabytes even for the largest models
 
 
 @contextlib.contextmanager
@@ -77,27 +79,83 @@ def checkpoint_files(checkpoint: str | os.PathLike) -> dict[str, str]:
     """``{tensor name: file}`` of a safetensors checkpoint: a file, an index json, or a ``save_pretrained`` folder."""
     path = os.fspath(checkpoint)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, INDEX_FILE)):
+        if _kind(os.path.join(path, INDEX_FILE)) != "nothing":
             path = os.path.join(path, INDEX_FILE)
-        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        elif _kind(os.path.join(path, SINGLE_FILE)) != "nothing":
             path = os.path.join(path, SINGLE_FILE)
         else:
             raise ConfigError(
                 f"{checkpoint} holds neither {SINGLE_FILE} nor {INDEX_FILE}; pass a folder written by "
                 "save_pretrained (safetensors), a .safetensors file or its index .json"
             )
-    if not os.path.isfile(path):
+    kind = _kind(path)
+    if kind == "nothing":
         raise ConfigError(f"checkpoint {checkpoint} does not exist")
+    if kind != "a regular file":
+        raise ConfigError(f"checkpoint {path} is {kind}, not a file; pass a save_pretrained folder or its files")
     if path.endswith(".json"):
-        with open(path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{path} has no 'weight_map'; is it a safetensors index?")
-        folder = os.path.dirname(path)
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        return _index_files(path)
     if not path.endswith(".safetensors"):
         raise ConfigError(f"{checkpoint}: only safetensors checkpoints are supported (save_pretrained writes them)")
     return dict.fromkeys(SafetensorsFiles().keys(path), path)
+
+
+def _index_files(path: str) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: every file it names a ``.safetensors`` file in its own folder."""
+    with open(path, "rb") as f:
+        text = f.read(MAX_INDEX_BYTES + 1)
+    if len(text) > MAX_INDEX_BYTES:
+        raise ConfigError(f"{path} is over {MAX_INDEX_BYTES >> 20} MiB; a safetensors index is a small JSON file")
+    try:
+        index = json.loads(text)
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested past Python's stack
+        said = " ".join(str(error).split())[:200] or "nested too deep"
+        raise ConfigError(f"{path} is not a safetensors index (invalid JSON: {said})") from error
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{path} has no 'weight_map'; is it a safetensors index?")
+    folder = os.path.dirname(path)
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ConfigError(
+                f"{path}: weight_map[{name!r}] must be a file name, got {type(file).__name__}; is it a safetensors "
+                "index?"
+            )
+        parts = file.replace(os.sep, "/").split("/")
+        if not file or "\0" in file or os.path.isabs(file) or ".." in parts:
+            raise ConfigError(
+                f"{path} names {file!r} for {name!r}, outside the checkpoint folder; an index names the files "
+                "beside it"
+            )
+        if not file.endswith(".safetensors"):
+            raise ConfigError(
+                f"{path} names {file!r} for {name!r}, which is not a .safetensors file (pickled weights are never "
+                "loaded); save the model with save_pretrained (safetensors)"
+            )
+        files[name] = os.path.join(folder, file)
+    for file in sorted(set(files.values())):
+        kind = _kind(file).replace("nothing", "missing")
+        if kind != "a regular file":
+            raise ConfigError(
+                f"{path} names {os.path.basename(file)}, but {file} is {kind}; the checkpoint is not whole"
+            )
+    return files
+
+
+def _kind(path: str) -> str:
+    """What is at ``path``, in words: 'a regular file' (also through a link), 'a folder', 'a FIFO', 'nothing' …"""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return "nothing"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a device or socket"
 
 
 def build_empty(model: nn.Module | type | transformers.PretrainedConfig, checkpoint: str | os.PathLike) -> nn.Module:
@@ -109,14 +167,14 @@ def build_empty(model: nn.Module | type | transformers.PretrainedConfig, checkpo
     folder = os.fspath(checkpoint)
     folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
     if isinstance(model, type) and hasattr(model, "from_config") and not issubclass(model, nn.Module):
-        config = transformers.AutoConfig.from_pretrained(folder)  # an Auto class: AutoModelForCausalLM …
+        config = _read_config(transformers.AutoConfig, folder)  # an Auto class: AutoModelForCausalLM …
         with init_empty_weights():
             built = model.from_config(config)
         return _with_generation_config(built, folder)
     if isinstance(model, type) and issubclass(model, nn.Module):
         if not hasattr(model, "config_class"):
             raise ConfigError(f"cannot build {model.__name__} from a checkpoint: pass an instance instead")
-        config = model.config_class.from_pretrained(folder)
+        config = _read_config(model.config_class, folder)
         model_class = model
     elif isinstance(model, transformers.PretrainedConfig):
         config = model
@@ -134,12 +192,21 @@ def build_empty(model: nn.Module | type | transformers.PretrainedConfig, checkpo
     return _with_generation_config(built, folder)
 
 
+def _read_config(config_class: type, folder: str) -> Any:
+    """The model config saved in ``folder``; ConfigError when it is missing or not a config."""
+    try:
+        return config_class.from_pretrained(folder)
+    except Exception as error:  # the file's fault whatever the type (OSError, JSON, a strict field's validation)
+        said = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ConfigError(f"could not read the model config in {folder}: {said}") from error
+
+
 def _with_generation_config(model: nn.Module, folder: str) -> nn.Module:
     """Generation defaults saved next to the weights, as ``from_pretrained`` reads them."""
     if os.path.isfile(os.path.join(folder, "generation_config.json")) and hasattr(model, "generation_config"):
         import transformers
 
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+        model.generation_config = _read_config(transformers.GenerationConfig, folder)
     return model
 
 

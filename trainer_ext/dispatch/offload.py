@@ -18,6 +18,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import ConfigError
+
+
+def _said(error: Exception) -> str:
+    """An error's message on one line, kept short."""
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
 
 class SafetensorsFiles:
     """Open safetensors files, each opened (memory-mapped) once and kept open while the model lives."""
@@ -28,12 +35,19 @@ class SafetensorsFiles:
     def handle(self, path: str) -> object:
         """The open (memory-mapped) file."""
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+            try:
+                self._handles[path] = safe_open(path, framework="pt", device="cpu")
+            except Exception as error:  # safetensors' own error type: a bad header, a truncated file
+                raise ConfigError(f"{path} is not a readable safetensors file: {_said(error)}") from error
         return self._handles[path]
 
     def get(self, path: str, key: str) -> torch.Tensor:
         """The tensor ``key`` of ``path`` on the CPU, backed by the file's mapping."""
-        return self.handle(path).get_tensor(key)
+        handle = self.handle(path)
+        try:
+            return handle.get_tensor(key)
+        except Exception as error:  # a name the index promised but the file lacks, data past the end
+            raise ConfigError(f"{path} has no readable tensor {key!r}: {_said(error)}") from error
 
     def keys(self, path: str) -> list[str]:
         """The tensor names stored in ``path``."""
