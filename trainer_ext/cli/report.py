@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError
 from ..report.build import COMPARE_DIR, DEFAULT_SMOOTHING, PAGE, write_report
+from ..report.reading import one_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,9 +47,12 @@ def run_report(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     began = time.perf_counter()
     notes: list[str] = []
-    page = write_report(args.run_dirs, args.out, allow_running=args.partial, smoothing=args.smoothing, notes=notes)
+    try:
+        page = write_report(args.run_dirs, args.out, allow_running=args.partial, smoothing=args.smoothing, notes=notes)
+    except ConfigError as error:  # one line, whatever the names in it hold (a folder named with a newline)
+        raise ConfigError(one_line(str(error))) from error
     figures = sorted(p.name for p in page.parent.glob("*.png"))
-    print(f"report written to {page} ({len(figures)} figures, {time.perf_counter() - began:.1f} s)")
+    print(one_line(f"report written to {page} ({len(figures)} figures, {time.perf_counter() - began:.1f} s)"))
     for line in notes:  # what was skipped or bounded, as the page lists it
-        print(f"left out: {line}")
+        print(one_line(f"left out: {line}"))
     return 0

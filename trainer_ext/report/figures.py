@@ -8,6 +8,7 @@ point is drawn as a marker (a line through one point draws nothing).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,10 +369,12 @@ def draw_all(runs: list[RunData], out: Path, smoothing: float, notes: list[str] 
     ]
     figures: list[Figure] = []
     try:
-        for draw in draws:
-            figure = draw()
-            if figure is not None:
-                figures.append(figure)
+        with warnings.catch_warnings():  # a name in a script the font lacks is drawn as boxes: no warning each time
+            warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
+            for draw in draws:
+                figure = draw()
+                if figure is not None:
+                    figures.append(figure)
     except BaseException:
         for figure in figures:
             if figure.path is not None:

@@ -102,6 +102,11 @@ def optional_object(path: Path, notes: list[str] | None = None, limit: int = SMA
     return value if isinstance(value, dict) else {}
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and other control characters escaped (a folder named with a newline)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def _short(error: Exception, most: int = 120) -> str:
     text = str(error)
     return text if len(text) <= most else text[: most - 1] + "…"
