@@ -216,6 +216,12 @@ def test_a_path_too_long_is_one_line(which: str, tmp_path: Path, capsys) -> None
     assert "File name too long" in _one_error(code, err)
 
 
+def test_a_folder_named_with_line_breaks_gives_one_line(tmp_path: Path, capsys) -> None:
+    run = make_run(tmp_path / "a\nb\rc\u2028d", history=[{"step": "x", "loss": 1.0}])  # an empty log: refused
+    code, _, err = _report(capsys, run, tmp_path / "out")
+    assert "empty log" in _one_error(code, err) and "a\\nb\\rc\\u2028d" in err[0]
+
+
 # -- a full disk: nothing half-written, the earlier report kept ----------------------------------------------
 
 
