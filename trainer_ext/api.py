@@ -19,6 +19,7 @@ from transformers import DataCollatorForLanguageModeling, DataCollatorWithPaddin
 
 from . import cpu_threads, output_dir
 from .arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
+from .data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows, class_count
 from .errors import ConfigError, did_you_mean
 from .lora import MERGED_DIR, apply_lora, save_merged
 from .metrics.for_trainer import TrainerMetrics, build_metrics
@@ -196,6 +197,8 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
         if args.dataset_name:
             raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         else:
+            for flag, path in args.data_files().items():
+                check_data_file(path, flag)  # still a regular file: a FIFO would hang the loader
             files = {"train": args.train_file}
             if args.validation_file:
                 files["validation"] = args.validation_file
@@ -204,10 +207,22 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
         raise
     except Exception as error:  # unreadable file, missing hub dataset, no network: all the user's to fix
         source = args.dataset_name or args.train_file
+        for path in [] if args.dataset_name else args.data_files().values():
+            bad = bad_json_line(path) if data_builder(path) == "json" else None
+            if bad:
+                raise ConfigError(f"could not load data from {path!r}: {bad}; fix or drop that line") from error
         raise ConfigError(f"could not load data from {source!r}: {_reason(error, args)}") from error
     if "train" not in raw:
         raise ConfigError(f"{args.dataset_name!r} has no 'train' split; its splits: {', '.join(raw)}")
     raw = datasets.DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
+    text_column, label_column = resolve_columns(args, raw)  # rows are checked before a split shuffles them
+    sources = {
+        split: f"{args.dataset_name!r} ({split} split)"
+        if args.dataset_name
+        else repr(args.data_files()[f"{split}_file"])
+        for split in raw
+    }
+    check_rows(raw, sources, text_column, label_column, args.num_labels)
     if "validation" not in raw and args.validation_split_percentage > 0:
         try:
             parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
@@ -289,13 +304,15 @@ def label_names(args: TrainJobArguments, raw: datasets.DatasetDict, column: str)
         if all(isinstance(v, str) for v in values):
             names = sorted(set(values))
         elif all(isinstance(v, (int, float)) and float(v).is_integer() and v >= 0 for v in values):
-            names = [str(i) for i in range(int(max(values)) + 1)]
+            names = [str(i) for i in range(class_count((int(v) for v in values), args.num_labels, column))]
         else:
             raise ConfigError(
                 f"the label column {column!r} must hold class names or class ids 0, 1, 2, …; "
                 f"found e.g. {values[0]!r} (regression is not supported)"
             )
     if args.num_labels is not None:
+        if args.num_labels > MAX_CLASSES:
+            raise ConfigError(f"--num_labels {args.num_labels} is past the {MAX_CLASSES:,} classes a job may have")
         if args.num_labels < len(names):
             raise ConfigError(f"--num_labels {args.num_labels} but the data has {len(names)} classes: {names[:10]}")
         names += [str(i) for i in range(len(names), args.num_labels)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .data import CORPUS, SENTIMENT
+from .data.checks import check_data_file
 from .errors import ConfigError, did_you_mean
 
 TASKS = ("sequence-classification", "causal-lm")
@@ -208,6 +209,5 @@ def data_builder(path: str, flag: str = "train_file") -> str:
             f"--{flag} {path!r}: unsupported file type {suffix or '(none)'!r}; use one of "
             f"{', '.join(sorted(DATA_BUILDERS))}"
         )
-    if not os.path.isfile(path):
-        raise ConfigError(f"--{flag} {path!r}: no such file. Check the path.")
+    check_data_file(path, flag)  # a FIFO, a device or a folder is named as such, never opened
     return DATA_BUILDERS[suffix]
