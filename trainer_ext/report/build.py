@@ -69,7 +69,8 @@ def write_report(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from error
-    from .figures import FIGURE_NAMES, Figure, draw_all
+    from .draw import draw_all
+    from .figures import FIGURE_NAMES, Figure
     from .page import render
 
     note = f"No figures: {missing}." if missing else None
