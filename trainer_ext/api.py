@@ -23,6 +23,7 @@ from .data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows
 from .errors import ConfigError, did_you_mean
 from .lora import MERGED_DIR, apply_lora, save_merged
 from .metrics.for_trainer import TrainerMetrics, build_metrics
+from .model_limits import check_job_config, check_model_config, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def _set_up(
         filled = ", ".join(f"{k}={v}" for k, v in args.auto_filled.items())
         logger.info("%s job; defaults filled in (any flag overrides them): %s", args.task, filled)
     with args.main_process_first(local=False, desc="loading data"):
+        check_job_config(args)  # a model config out of range: one line before any data is read or model built
         raw = load_raw_datasets(args)
     text_column, label_column = resolve_columns(args, raw)
     args.text_column, args.label_column = text_column, label_column  # the job's fingerprint names the real columns
@@ -379,7 +381,10 @@ def build_model(
             config.eos_token_id = tokenizer.eos_token_id
             if labels is None and config.model_type == "bert":
                 config.is_decoder = True
+            check_model_config(config, f"--model_config {args.model_config or DEFAULT_PRESET[args.task]}")
             model = auto.from_config(config, trust_remote_code=args.trust_remote_code)
+    except ConfigError:
+        raise
     except (OSError, ValueError) as error:
         what = args.model_name_or_path or args.model_config or "the preset"
         raise ConfigError(
@@ -398,7 +403,7 @@ def model_config(args: TrainJobArguments) -> transformers.PretrainedConfig:
         positions = max(values.get("max_position_embeddings", values.get("n_positions", 0)), args.max_seq_length)
         values["n_positions" if "n_positions" in values else "max_position_embeddings"] = positions
         return transformers.AutoConfig.for_model(**values)
-    return transformers.AutoConfig.from_pretrained(name)
+    return load_model_config(name)
 
 
 def tokenize(

@@ -214,7 +214,7 @@ def test_json_schema(tmp_path) -> None:
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--num_processes", "0"], "at least 1"),
+        (["--num_processes", "0"], "between 1 and 1048576"),
         (["--model_config", "tiny-lama"], "tiny-llama"),
         (["--device_memory", "lots"], "cannot read"),
         (["--device_memory", "2G"], "ambiguous"),
