@@ -318,10 +318,8 @@ def test_overwrite_refuses_a_lock_link_before_deleting_anything(tmp_path: Path) 
 # ------------------------------------------------------------------------------ a path the file system refuses
 
 
-def test_an_output_dir_too_long_for_the_file_system_is_one_line_exit_2(tmp_path: Path) -> None:
-    out = tmp_path / ("a" * 300)
-    with pytest.raises(ConfigError, match="too long for the file system"):
-        train(_job(out))
+def _cli_train(out: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``trainer-ext train`` into ``out`` in a child process that must exit 2; its stderr's error lines."""
     proc = subprocess.run(
         [sys.executable, "-m", "trainer_ext", "train", "--output_dir", str(out), "--max_steps", "1"],
         capture_output=True,
@@ -330,7 +328,14 @@ def test_an_output_dir_too_long_for_the_file_system_is_one_line_exit_2(tmp_path:
         env={**child_env(), "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    return proc, [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_an_output_dir_too_long_for_the_file_system_is_one_line_exit_2(tmp_path: Path) -> None:
+    out = tmp_path / ("a" * 300)
+    with pytest.raises(ConfigError, match="too long for the file system"):
+        train(_job(out))
+    proc, errors = _cli_train(out)
     assert len(errors) == 1 and "too long for the file system" in errors[0] and "Traceback" not in proc.stderr
 
 
@@ -339,14 +344,6 @@ def test_the_cli_refuses_a_link_with_one_line_and_exit_2(tmp_path: Path) -> None
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoint-2").symlink_to(victim, target_is_directory=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer_ext", "train", "--output_dir", str(out), "--max_steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env={**child_env(), "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    proc, errors = _cli_train(out)
     assert len(errors) == 1 and str(out / "checkpoint-2") in errors[0] and "Traceback" not in proc.stderr
     assert _fingerprint(victim) == before
