@@ -3,7 +3,8 @@
 Every config file of trainer_ext goes through here (``train --config``, launch configs, FSDP and DeepSpeed
 configs), so each says the same thing about the same mistake. ``.json`` files are JSON, every other file YAML;
 a caller may insist on one format (DeepSpeed configs are JSON whatever their name). Errors name ``what`` the
-file is for and the path: "--config run.yaml is not valid YAML: ...".
+file is for and the path: "--config run.yaml is not valid YAML: ...". Its bounded reader of regular files
+(:func:`read_regular`: never a FIFO or a device) serves every file a user names, the run report's too.
 """
 
 from __future__ import annotations
@@ -60,40 +61,65 @@ _KINDS = {
 }
 
 
+class NotRegularFile(Exception):
+    """What :func:`read_regular` found instead of a regular file; ``mode`` is its ``st_mode``."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__(f"not a regular file (mode {mode:o})")
+        self.mode = mode
+
+
+class TooLarge(Exception):
+    """A file past :func:`read_regular`'s limit; ``size`` is its size, None when it grew past it while read."""
+
+    def __init__(self, size: int | None) -> None:
+        super().__init__(f"larger than the limit ({size} bytes)")
+        self.size = size
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (a link to one is followed), at most ``limit``: opened non-blocking,
+    so a FIFO is refused at once (NotRegularFile) instead of waiting for a writer, and a device such as /dev/zero
+    is never read (NotRegularFile); TooLarge past ``limit``; OSError (FileNotFoundError …) as the OS raises it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(info.st_mode)
+        if info.st_size > limit:
+            raise TooLarge(info.st_size)
+        chunks, left = [], limit + 1  # a file that grows while read (or a /proc file of size 0) stays bounded
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise TooLarge(None)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_text(path: str | os.PathLike, name: str, *, limit: int = MAX_YAML_BYTES, hint: str = "") -> str:
     """The UTF-8 text of the regular file ``path`` (``~`` expanded), at most ``limit`` bytes; one ConfigError
     naming ``name`` for anything else: missing, a folder, a FIFO or device (never opened to block or read
     without end), too large, a path the file system refuses (too long, a loop of links), not UTF-8."""
-    file = os.path.expanduser(os.fspath(path))
-    try:  # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        data = read_regular(os.path.expanduser(os.fspath(path)), limit)
     except (FileNotFoundError, NotADirectoryError):
         raise ConfigError(f"{name} does not exist (no such file){hint}") from None
+    except NotRegularFile as found:
+        if stat.S_ISDIR(found.mode):
+            raise ConfigError(f"{name} is a directory, not a config file") from None
+        kind = _KINDS.get(stat.S_IFMT(found.mode), "not a regular file")
+        raise ConfigError(f"{name} is {kind}, not a regular file; give the path of a YAML or JSON file") from None
+    except TooLarge:
+        raise ConfigError(f"{name} is larger than {limit >> 10} KiB; a config file is a few KB of keys") from None
     except OSError as error:
         raise ConfigError(_os_problem(name, error)) from None
     try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise ConfigError(f"{name} is a directory, not a config file")
-        if not stat.S_ISREG(info.st_mode):
-            kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
-            raise ConfigError(f"{name} is {kind}, not a regular file; give the path of a YAML or JSON file")
-        too_large = ConfigError(f"{name} is larger than {limit >> 10} KiB; a config file is a few KB of keys")
-        if info.st_size > limit:
-            raise too_large
-        chunks, left = [], limit + 1  # a file that grows while read (or a /proc file of size 0) stays bounded
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
-            raise too_large
-        return b"".join(chunks).decode("utf-8")
-    except OSError as error:
-        raise ConfigError(_os_problem(name, error)) from None
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConfigError(f"{name} cannot be read: {error}") from None
-    finally:
-        os.close(fd)
 
 
 def _os_problem(name: str, error: OSError) -> str:

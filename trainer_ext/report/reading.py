@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import stat
 from pathlib import Path
 from typing import Any
 
+from ..config_files import NotRegularFile, TooLarge, read_regular
 from ..errors import ConfigError
 
 MiB = 1 << 20
@@ -42,37 +42,21 @@ def _kind(mode: int) -> str:
 
 
 def read_bytes(path: Path, limit: int) -> bytes | None:
-    """The bytes of the regular file ``path`` (a link to one is followed), or None when there is no such file.
-
-    Unreadable when it is not a regular file, is larger than ``limit`` bytes, or cannot be opened or read. Opened
-    non-blocking, so a FIFO is refused instead of waiting for a writer; at most ``limit + 1`` bytes are read.
-    """
+    """The bytes of the regular file ``path`` (a link to one is followed), or None when there is no such file;
+    Unreadable when it is not a regular file (a FIFO is never waited on), is larger than ``limit`` bytes, or
+    cannot be opened or read (:func:`~trainer_ext.config_files.read_regular`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        return read_regular(path, limit)
     except OSError as error:
         if error.errno in _ABSENT:
             return None
         raise Unreadable(f"{path} cannot be read: {error.strerror or error}") from error
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise Unreadable(f"{path} is {_kind(info.st_mode)}, not a regular file")
-        if info.st_size > limit:
-            raise Unreadable(f"{path} has {info.st_size:,} bytes, more than the {limit:,} read")
-        chunks, total = [], 0
-        while total <= limit:
-            chunk = os.read(fd, min(limit + 1 - total, 8 * MiB))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > limit:  # grew while being read
-            raise Unreadable(f"{path} grew past {limit:,} bytes while being read")
-        return b"".join(chunks)
-    except OSError as error:
-        raise Unreadable(f"{path} cannot be read: {error.strerror or error}") from error
-    finally:
-        os.close(fd)
+    except NotRegularFile as found:
+        raise Unreadable(f"{path} is {_kind(found.mode)}, not a regular file") from None
+    except TooLarge as big:
+        if big.size is None:
+            raise Unreadable(f"{path} grew past {limit:,} bytes while being read") from None
+        raise Unreadable(f"{path} has {big.size:,} bytes, more than the {limit:,} read") from None
 
 
 def parse_json(text: str | bytes, path: Path) -> Any:
