@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(300)
 
 SAFE_DCP = "trainer_ext/checkpointing/safe_dcp.py"
 DS_STRATEGY = "trainer_ext/distributed/strategies/deepspeed.py"
+DS_WEIGHTS = "trainer_ext/distributed/strategies/deepspeed_weights.py"
 NO_DEEPSPEED = "deepspeed is not installed: pip install -e '.[deepspeed]'"
 RANK_FILE = (
     "the per-rank file pattern durable._RANK_FILE (trainer_ext/checkpointing/durable.py: flush_tree fsyncs by it)"
@@ -362,7 +363,7 @@ def test_zero3_consolidated_16bit_state_dict(ds_run) -> None:
     assert not required, f"_zero3_consolidated_16bit_state_dict now requires {required}: update {DS_STRATEGY}"
     _, results = ds_run
     gathered = results["consolidated"]
-    fix = f"update DeepSpeedStrategy.consolidated_state_dict and check_complete in {DS_STRATEGY}"
+    fix = f"update DeepSpeedStrategy.consolidated_state_dict ({DS_STRATEGY}) and check_complete ({DS_WEIGHTS})"
     assert gathered["keys"] == gathered["expected_keys"], fix
     assert gathered["equal"] == gathered["expected_keys"], fix
     assert gathered["devices"] == ["cpu"], fix
@@ -371,11 +372,11 @@ def test_zero3_consolidated_16bit_state_dict(ds_run) -> None:
 
 @pytest.mark.deepspeed
 def test_zero3_parameters_carry_their_full_shape_as_ds_shape(ds_run) -> None:
-    """``param.ds_shape``: the full shape of a partitioned parameter (strategies.deepspeed.full_shape, the
+    """``param.ds_shape``: the full shape of a partitioned parameter (strategies.deepspeed_weights.full_shape, the
     unwrap-and-save check); the local ``param`` is empty."""
     _, results = ds_run
     assert results["ds_shape"] == results["full_shape"], (
-        f"ZeRO-3 parameters no longer carry ds_shape: update full_shape in {DS_STRATEGY} and "
+        f"ZeRO-3 parameters no longer carry ds_shape: update full_shape in {DS_WEIGHTS} and "
         "trainer_ext/saving.py (_tie_key), trainer_ext/callbacks/unwrap_and_save.py"
     )
     assert set(results["local_numel"].values()) == {0}
@@ -489,7 +490,7 @@ def test_deepspeed_files_hold_only_the_classes_verify_allows(ds_run) -> None:
 @pytest.mark.deepspeed
 def test_model_states_hold_every_parameter_shape(ds_run) -> None:
     """``param_shapes`` (and ``frozen_param_shapes``) of DeepSpeed's ``*model_states.pt``: the shape check before
-    a resume (strategies.deepspeed.saved_shapes) reads them instead of loading the model."""
+    a resume (strategies.deepspeed_weights.saved_shapes) reads them instead of loading the model."""
     from trainer_ext.distributed.strategies.deepspeed import saved_shapes
 
     out, _ = ds_run
@@ -497,7 +498,7 @@ def test_model_states_hold_every_parameter_shape(ds_run) -> None:
     for name, _, _ in DS_SAVES:
         found = saved_shapes(out / name)
         assert found is not None and found[0] == expected, (
-            f"DeepSpeed's model-states file of {name} no longer lists param_shapes: update saved_shapes in {DS_STRATEGY}"
+            f"DeepSpeed's model-states file of {name} no longer lists param_shapes: update saved_shapes in {DS_WEIGHTS}"
         )
 
 

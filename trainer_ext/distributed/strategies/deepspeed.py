@@ -8,11 +8,9 @@ engine steps optimizer and scheduler at the boundary itself. deepspeed is import
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import os
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,44 +18,17 @@ from typing import Any
 import torch
 
 from ...checkpointing import sharded as sharded_checkpoint
-from ...checkpointing.verification import load_deepspeed_file
-from ...env_vars import LOCAL_RANK
 from ...errors import ConfigError
 from ...saving import save_model
 from .. import deepspeed_config
 from ..deepspeed_config import DeepSpeedConfig, check_resolved
 from ..deepspeed_plugin import DummyOptim, DummyScheduler
-from ..state import DistributedType, DistState, destroy_process_group
+from ..state import DistributedType, DistState
 from .base import Strategy
+from .deepspeed_setup import destroy_own_group, is_engine, start_communication
+from .deepspeed_weights import LATEST, ConsolidationError, check_complete, full_shape, saved_shapes
 
-INSTALL_HINT = (
-    "DeepSpeed is not installed: pip install 'deepspeed>=0.16' "
-    "(on a machine without CUDA: DS_BUILD_OPS=0 pip install 'deepspeed>=0.16')"
-)
-LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
-
-
-class ConsolidationError(RuntimeError):
-    """The gathered full state dict is empty or incomplete: saving it would lose the model."""
-
-
-def import_deepspeed() -> Any:
-    """``import deepspeed``, or a ConfigError saying which extra to install."""
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
-    return deepspeed
-
-
-def is_engine(model: Any) -> bool:
-    """True for a ``DeepSpeedEngine`` (without importing deepspeed when nothing did yet).
-
-    A folder named ``deepspeed`` on ``sys.path`` can stand in as a namespace package where deepspeed is not
-    installed: it has no engine class, so nothing is an engine.
-    """
-    engine_cls = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)
-    return engine_cls is not None and isinstance(model, engine_cls)
+__all__ = ["ConsolidationError", "DeepSpeedStrategy", "check_complete", "saved_shapes"]  # imported from here
 
 
 class DeepSpeedStrategy(Strategy):
@@ -472,71 +443,8 @@ class DeepSpeedStrategy(Strategy):
         """Drop the engine; tear down the one-rank group :meth:`deepspeed_module` created, if any."""
         self.forget()
         if self._owns_group:
-            _destroy_group()
+            destroy_own_group()
         self._owns_group = False
-
-
-def start_communication(state: DistState, build_cpu_shm_comm: bool = False) -> tuple[Any, bool]:
-    """Import deepspeed and set up its communication on our process group (idempotent).
-
-    Returns the module and whether this call created a one-rank process group (its creator destroys it).
-    """
-    if state.device.type == "cpu":
-        # as TrainingArguments does (for models built before any engine): DeepSpeed picks its device at import
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed = import_deepspeed()
-    accelerator = deepspeed.get_accelerator().device_name()
-    if state.device.type != accelerator:
-        raise ConfigError(
-            f"DeepSpeed picked the {accelerator!r} accelerator but this process trains on "
-            f"{state.device.type!r}; set DS_ACCELERATOR={state.device.type} before starting"
-        )
-    # DeepSpeed (engine, zero.Init) reads the local rank from the environment only; srun and a plain
-    # `python train.py` do not set it, so hand it ours (the launcher's value when there is one)
-    local_rank = str(state.local_process_index)
-    if os.environ.setdefault(LOCAL_RANK, local_rank) != local_rank:
-        raise ConfigError(
-            f"{LOCAL_RANK}={os.environ[LOCAL_RANK]} in the environment but this process is local rank {local_rank}"
-        )
-    if deepspeed.comm.is_initialized():
-        return deepspeed, False
-    if accelerator == "cpu" and not build_cpu_shm_comm:
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it first sets up
-        # communication (~1 min of g++); training never uses it (only AutoTP inference does, and falls
-        # back to torch.distributed without it). DeepSpeed keeps this probe dict editable for that purpose.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    created_group = False
-    if not torch.distributed.is_initialized():
-        # one process without a launcher: DeepSpeed still wants a process group; an in-memory
-        # one-rank group needs no address or port
-        torch.distributed.init_process_group(state.backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-        created_group = True
-        atexit.register(_destroy_group)  # gloo threads alive at interpreter teardown abort the process
-    # with a group already there, DeepSpeed wraps it instead of creating one
-    deepspeed.comm.init_distributed(dist_backend=state.backend, dist_init_required=False)
-    return deepspeed, created_group
-
-
-def saved_shapes(directory: str | os.PathLike) -> tuple[dict[str, list[int]], set[str]] | None:
-    """Full shapes of the parameters in a DeepSpeed checkpoint (read ``weights_only``), and the trainable names.
-
-    None when the checkpoint has no model-states file to read them from.
-    """
-    root = Path(directory)
-    tag = (root / LATEST).read_text(encoding="utf-8").strip()
-    files = sorted((root / tag).glob("*model_states.pt"))
-    if not files:
-        return None
-    saved = load_deepspeed_file(files[0])
-    groups = saved.get("param_shapes") or []
-    trainable = {name: list(shape) for group in groups for name, shape in group.items()}
-    frozen = {name: list(shape) for name, shape in (saved.get("frozen_param_shapes") or {}).items()}
-    return {**frozen, **trainable}, set(trainable)
-
-
-def _destroy_group() -> None:
-    if torch.distributed.is_initialized():
-        destroy_process_group()
 
 
 def _close(a: float, b: float) -> bool:
@@ -546,42 +454,3 @@ def _close(a: float, b: float) -> bool:
 def _engine_reports_norm(engine: Any) -> bool:
     """DeepSpeed records the global norm except for stage 0 in fp32 (plain torch clipping)."""
     return bool(engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled())
-
-
-def full_shape(param: torch.nn.Parameter) -> torch.Size:
-    """A parameter's full shape, also when ZeRO-3 has partitioned it (``ds_shape``)."""
-    return getattr(param, "ds_shape", param.shape)
-
-
-def check_complete(module: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`ConsolidationError` unless every parameter of ``module`` is in ``state_dict`` in full."""
-    expected = {name: full_shape(p) for name, p in module.named_parameters(remove_duplicate=False)}
-    if not state_dict or not expected:
-        raise ConsolidationError(
-            f"the consolidated state dict has {len(state_dict)} tensors for a model with {len(expected)} parameters; "
-            "refusing to save an empty model"
-        )
-    missing = sorted(set(expected) - set(state_dict))
-    wrong = sorted(
-        f"{name} {tuple(state_dict[name].shape)} (expected {tuple(shape)})"
-        for name, shape in expected.items()
-        if name in state_dict and tuple(state_dict[name].shape) != tuple(shape)
-    )
-    if missing or wrong:
-        details = []
-        if missing:
-            details.append(f"missing {len(missing)}: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
-        if wrong:
-            details.append(f"wrong size {len(wrong)}: {', '.join(wrong[:5])}{' …' if len(wrong) > 5 else ''}")
-        raise ConsolidationError(
-            "the consolidated state dict is incomplete (a ZeRO-3 gather that did not happen?): " + "; ".join(details)
-        )
-    unique = {id(p): p for p in module.parameters()}
-    want = sum(int(torch.Size(full_shape(p)).numel()) for p in unique.values())
-    seen: dict[int, int] = {}
-    for name in expected:
-        tensor = state_dict[name]
-        seen[tensor.data_ptr() if tensor.numel() else id(tensor)] = tensor.numel()
-    have = sum(seen.values())
-    if have != want:
-        raise ConsolidationError(f"the consolidated state dict holds {have} parameter values; the model has {want}")
