@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer_ext.dispatch import dispatch_model
-from trainer_ext.dispatch.hooks import HOOK_ATTR
+from trainer_ext.inference import dispatch_model
+from trainer_ext.inference.hooks import HOOK_ATTR
 
 SIZES = {
     "test": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from trainer_ext.distributed.accumulation import GradientState  # noqa: E402
-from trainer_ext.distributed.data import shard_dataloader, skip_first_batches  # noqa: E402
+from trainer_ext.distributed.data.loader import shard_dataloader, skip_first_batches  # noqa: E402
 
 
 class Indices(torch.utils.data.Dataset):

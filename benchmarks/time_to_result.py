@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (label, module, attribute): each is timed on its own; "training" is Trainer.train minus the final save in it
 PHASES = (
-    ("data (load_dataset)", "trainer_ext.api", "load_raw_datasets"),
-    ("tokenizer build", "trainer_ext.api", "build_tokenizer"),
-    ("model build", "trainer_ext.api", "build_model"),
-    ("tokenizing (datasets.map)", "trainer_ext.api", "tokenize"),
-    ("Trainer construction", "trainer_ext.trainer", "Trainer.__init__"),
-    ("training", "trainer_ext.trainer_checkpoints", "CheckpointingMixin.train"),
+    ("data (load_dataset)", "trainer_ext.job.run", "load_raw_datasets"),
+    ("tokenizer build", "trainer_ext.job.run", "build_tokenizer"),
+    ("model build", "trainer_ext.job.run", "build_model"),
+    ("tokenizing (datasets.map)", "trainer_ext.job.run", "tokenize"),
+    ("Trainer construction", "trainer_ext.trainer.trainer", "Trainer.__init__"),
+    ("training", "trainer_ext.trainer.checkpoints", "CheckpointingMixin.train"),
     (
         "final model save and reload check",
         "trainer_ext.callbacks.unwrap_and_save",
@@ -45,7 +45,7 @@ import functools, importlib, json, sys, time
 started = time.perf_counter()
 spent, order = {}, []
 from trainer_ext.cli.main import main
-import trainer_ext.api, trainer_ext.trainer  # what `trainer-ext train` imports before it starts the job
+import trainer_ext.job.run, trainer_ext.trainer.trainer  # what `trainer-ext train` imports before it starts the job
 imports = time.perf_counter() - started
 
 inside_training = [False]

@@ -19,7 +19,7 @@ from trainer_ext import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from trainer_ext.distributed.split import share_of as _split
+from trainer_ext.distributed.data.split import share_of as _split
 from trainer_ext.errors import ConfigError
 
 

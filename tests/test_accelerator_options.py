@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer_ext.accelerator_options import (
+from trainer_ext.accelerator.options import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DDPCommunicationHookType,
@@ -305,6 +305,6 @@ def test_bf16_comm_hook_and_cuda_profiling_on_one_gpu() -> None:
 
 
 def test_the_module_imports_neither_accelerate_nor_torch() -> None:
-    code = "import sys, trainer_ext.accelerator_options; print(sorted({'accelerate', 'torch'} & set(sys.modules)))"
+    code = "import sys, trainer_ext.accelerator.options; print(sorted({'accelerate', 'torch'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -18,7 +18,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 import trainer_ext
 from trainer_ext.distributed.engine import Engine
-from trainer_ext.foreign_trainers import rebase_arguments, rebased_arguments_class
+from trainer_ext.trainer.adapt import rebase_arguments, rebased_arguments_class
 
 from .helpers.tiny import lm_dataset, tiny_llama
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import transformers
 
-from trainer_ext.api import train
 from trainer_ext.errors import ConfigError
-from trainer_ext.output_dir import RUN_FILE
+from trainer_ext.job.output_dir import RUN_FILE
+from trainer_ext.job.run import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
-DATA = Path(__file__).resolve().parents[1] / "trainer_ext" / "data"
+DATA = Path(__file__).resolve().parents[1] / "trainer_ext" / "job" / "data"
 
 
 def tiny(out, **overrides):

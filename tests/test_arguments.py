@@ -8,7 +8,8 @@ import json
 import pytest
 import transformers
 
-from trainer_ext.arguments import (
+from trainer_ext.errors import ConfigError
+from trainer_ext.job.arguments import (
     AUTO_DEFAULTS,
     PRESETS,
     TrainJobArguments,
@@ -16,8 +17,7 @@ from trainer_ext.arguments import (
     job_arguments_from_dict,
     looks_local,
 )
-from trainer_ext.data import CORPUS, SENTIMENT, make_dataset
-from trainer_ext.errors import ConfigError
+from trainer_ext.job.data import CORPUS, SENTIMENT, make_dataset
 
 
 def test_builtin_job_defaults():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import trainer_ext
-from trainer_ext import availability
+from trainer_ext.accelerator import availability
 
 PACKAGE_CHECKS = {
     "is_deepspeed_available": "deepspeed",

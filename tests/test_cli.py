@@ -14,8 +14,8 @@ import transformers
 
 from trainer_ext.cli.main import main
 from trainer_ext.errors import ConfigError
-from trainer_ext.flags import build_parser, parse_train_args
-from trainer_ext.output_dir import RUN_FILE
+from trainer_ext.job.flags import build_parser, parse_train_args
+from trainer_ext.job.output_dir import RUN_FILE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
 

@@ -20,9 +20,10 @@ import transformers
 import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
 
-from trainer_ext import Trainer, TrainingArguments, _compat
+from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.distributed.accumulation import GradientState
-from trainer_ext.distributed.data import ShardedDataLoader, shard_dataloader
+from trainer_ext.distributed.data.loader import ShardedDataLoader, shard_dataloader
+from trainer_ext.trainer import compat as _compat
 
 pytestmark = pytest.mark.compat
 

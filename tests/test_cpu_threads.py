@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from trainer_ext import cpu_threads
 from trainer_ext.callbacks.run_summary import run_summary
 from trainer_ext.cli.launch import prepare
+from trainer_ext.distributed import cpu_threads
 
 CORES = cpu_threads.usable_cores()
 

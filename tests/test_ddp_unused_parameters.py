@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
-from trainer_ext.api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
-from trainer_ext.arguments import PRESETS, TASKS, TrainJobArguments
+from trainer_ext.job.arguments import PRESETS, TASKS, TrainJobArguments
+from trainer_ext.job.run import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
 
 WARNING = "find_unused_parameters=True was specified in DDP constructor"
 

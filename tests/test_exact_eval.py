@@ -26,9 +26,9 @@ from tests.helpers.jobs import make_args
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny import pad_right, ragged_lm_dataset, tiny_llama, tiny_t5
 from trainer_ext import Trainer, TrainingArguments
-from trainer_ext._compat import loss_shifts_labels
-from trainer_ext.arguments import TrainJobArguments
-from trainer_ext.exact_eval import batch_rows, first_rows, loss_units
+from trainer_ext.job.arguments import TrainJobArguments
+from trainer_ext.trainer.compat import loss_shifts_labels
+from trainer_ext.trainer.exact_eval import batch_rows, first_rows, loss_units
 
 SIZE = 13  # prime: uneven on 2 and 3 processes for every batch size
 TOL = 2e-6  # relative: sums of fp32 per-batch means in another order

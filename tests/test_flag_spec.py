@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 
-from trainer_ext import flag_spec
 from trainer_ext.errors import ConfigError
-from trainer_ext.flag_help import GROUPS, HELP_ALL, render
-from trainer_ext.flag_spec import SHIPPED, check_argv, load_spec, spec_flags, spec_from_parser, spec_key
-from trainer_ext.flags import build_parser, parse_train_values
+from trainer_ext.job import flag_spec
+from trainer_ext.job.flag_help import GROUPS, HELP_ALL, render
+from trainer_ext.job.flag_spec import SHIPPED, check_argv, load_spec, spec_flags, spec_from_parser, spec_key
+from trainer_ext.job.flags import build_parser, parse_train_values
 
 FLAGS = spec_flags(spec_from_parser(build_parser()))
 
@@ -50,11 +50,11 @@ def _skip_unless_the_shipped_spec_is_current() -> None:
 
 
 def test_the_shipped_spec_is_the_parsers() -> None:
-    """Regenerate with ``python -m trainer_ext.flags`` after changing a flag (this test says so when stale)."""
+    """Regenerate with ``python -m trainer_ext.job.flags`` after changing a flag (this test says so when stale)."""
     _skip_unless_the_shipped_spec_is_current()
     shipped = json.loads(SHIPPED.read_text(encoding="utf-8"))
     fresh = spec_from_parser(build_parser())
-    assert shipped == json.loads(json.dumps(fresh)), "stale: run python -m trainer_ext.flags"
+    assert shipped == json.loads(json.dumps(fresh)), "stale: run python -m trainer_ext.job.flags"
 
 
 @pytest.mark.parametrize("argv", VALID, ids=" ".join)
@@ -76,7 +76,7 @@ def test_what_the_parser_refuses_the_spec_refuses(argv: list[str]) -> None:
 
 
 def test_an_unknown_flag_gets_the_same_words_on_both_paths() -> None:
-    from trainer_ext.flags import parse_train_args
+    from trainer_ext.job.flags import parse_train_args
 
     with pytest.raises(ConfigError) as slow:
         parse_train_args(["--max_step", "5"])

@@ -11,9 +11,9 @@ from pathlib import Path
 import datasets
 import pytest
 
-from trainer_ext.api import label_names, load_raw_datasets
-from trainer_ext.arguments import job_arguments_from_dict
 from trainer_ext.errors import ConfigError
+from trainer_ext.job.arguments import job_arguments_from_dict
+from trainer_ext.job.run import label_names, load_raw_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer_ext.cli.main import main
-from trainer_ext.output_dir import RUN_FILE
+from trainer_ext.job.output_dir import RUN_FILE
 
 DEEP = "a: " + "[" * 5000 + "]" * 5000 + "\n"
 

@@ -141,7 +141,7 @@ def quick_start_torch() -> str:
 
 def third_party(where: str, requirement: str) -> Requirement:
     """A requirement on another package, checked against the pins it must agree with."""
-    from trainer_ext._compat import TESTED_TRANSFORMERS
+    from trainer_ext.trainer.compat import TESTED_TRANSFORMERS
 
     try:
         req = Requirement(requirement)
@@ -185,7 +185,7 @@ def test_commands_are_found_where_expected() -> None:
     found = {(where, " ".join(words)) for where, words in all_commands()}
     assert ("README.md", f"torch=={quick_start_torch()}") in found
     assert ("README.md", "-e .[peft]") in found
-    assert ("trainer_ext/lora_arguments.py", "peft>=0.14") in found
+    assert ("trainer_ext/job/lora_arguments.py", "peft>=0.14") in found
 
 
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda path: str(path.relative_to(ROOT)))
@@ -210,9 +210,9 @@ def test_readme_lists_every_extra() -> None:
 
 def runtime_hints() -> list[str]:
     """Hints assembled at run time: the transformers refusal and warning, each tracker's missing-package error."""
-    from trainer_ext import _compat
     from trainer_ext.errors import ConfigError
     from trainer_ext.trackers import TRACKERS
+    from trainer_ext.trainer import compat as _compat
 
     hints = []
     with pytest.raises(ImportError) as refused:

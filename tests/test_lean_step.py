@@ -98,7 +98,7 @@ def test_the_flop_count_is_transformers_formula_counted_once(tmp_path: Path, mon
 def test_the_same_weights_as_with_the_repeated_work(tmp_path: Path, monkeypatch) -> None:
     lean = _trainer(tmp_path / "lean")
     lean.train()
-    from trainer_ext.lean_step import LeanStepMixin
+    from trainer_ext.trainer.lean_step import LeanStepMixin
 
     monkeypatch.delattr(LeanStepMixin, "training_step")
     monkeypatch.delattr(LeanStepMixin, "floating_point_ops")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer_ext.arguments import TrainJobArguments
 from trainer_ext.cli.main import main
 from trainer_ext.errors import ConfigError
-from trainer_ext.flags import parse_train_args
-from trainer_ext.lora_arguments import LORA_DROPOUT, PEFT_INSTALL, lora_targets
+from trainer_ext.job.arguments import TrainJobArguments
+from trainer_ext.job.flags import parse_train_args
+from trainer_ext.job.lora_arguments import LORA_DROPOUT, PEFT_INSTALL, lora_targets
 
 PEFT_IMPORTABLE = importlib.util.find_spec("peft") is not None
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from trainer_ext.cli.main import main
-from trainer_ext.flags import parse_train_args
+from trainer_ext.job.flags import parse_train_args
 
 TINY = ["--max_steps", "3", "--max_train_samples", "128", "--max_eval_samples", "40", "--report_to", "none"]
 TINY += ["--disable_tqdm", "true", "--per_device_eval_batch_size", "16"]  # 40 rows: batches of 16, 16, 8

@@ -38,8 +38,8 @@ from trainer_ext.checkpointing import sharded as sharded_checkpoint
 pytestmark = pytest.mark.timeout(300)
 
 SAFE_DCP = "trainer_ext/checkpointing/safe_dcp.py"
-DS_STRATEGY = "trainer_ext/distributed/strategies/deepspeed.py"
-DS_WEIGHTS = "trainer_ext/distributed/strategies/deepspeed_weights.py"
+DS_STRATEGY = "trainer_ext/distributed/strategies/deepspeed/strategy.py"
+DS_WEIGHTS = "trainer_ext/distributed/strategies/deepspeed/weights.py"
 NO_DEEPSPEED = "deepspeed is not installed: pip install -e '.[deepspeed]'"
 RANK_FILE = (
     "the per-rank file pattern durable._RANK_FILE (trainer_ext/checkpointing/durable.py: flush_tree fsyncs by it)"
@@ -286,7 +286,7 @@ def _deepspeed_job(out: Path) -> None:
     from transformers import LlamaForCausalLM
 
     from trainer_ext.distributed import DistState
-    from trainer_ext.distributed.strategies.deepspeed import DeepSpeedStrategy
+    from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy
 
     state = DistState(cpu=True)
     results: dict[str, Any] = {}
@@ -377,7 +377,7 @@ def test_zero3_parameters_carry_their_full_shape_as_ds_shape(ds_run) -> None:
     _, results = ds_run
     assert results["ds_shape"] == results["full_shape"], (
         f"ZeRO-3 parameters no longer carry ds_shape: update full_shape in {DS_WEIGHTS} and "
-        "trainer_ext/saving.py (_tie_key), trainer_ext/callbacks/unwrap_and_save.py"
+        "trainer_ext/checkpointing/saving.py (_tie_key), trainer_ext/callbacks/unwrap_and_save.py"
     )
     assert set(results["local_numel"].values()) == {0}
 
@@ -491,7 +491,7 @@ def test_deepspeed_files_hold_only_the_classes_verify_allows(ds_run) -> None:
 def test_model_states_hold_every_parameter_shape(ds_run) -> None:
     """``param_shapes`` (and ``frozen_param_shapes``) of DeepSpeed's ``*model_states.pt``: the shape check before
     a resume (strategies.deepspeed_weights.saved_shapes) reads them instead of loading the model."""
-    from trainer_ext.distributed.strategies.deepspeed import saved_shapes
+    from trainer_ext.distributed.strategies.deepspeed.strategy import saved_shapes
 
     out, _ = ds_run
     expected = {name: list(p.shape) for name, p in tiny_llama(0).named_parameters()}

@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.ranks import child_env
 from trainer_ext import Accelerator, ProjectConfiguration
-from trainer_ext.accelerator_checkpoints import CheckpointsMixin
+from trainer_ext.accelerator.checkpoints import CheckpointsMixin
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_two_ranks_generate_and_train_like_one(tmp_path):
         results[nproc] = json.loads((out / "result.json").read_text())
     one, two = results[1], results[2]
     assert (one["world_size"], two["world_size"]) == (1, 2) and two["engine"].startswith("trainer_ext")
-    assert "trainer_ext.training_args.TrainingArguments" in two["args_mro"]
+    assert "trainer_ext.trainer.training_args.TrainingArguments" in two["args_mro"]
     assert two["before"] == one["before"]  # the same model generates the same ids, gathered in the same order
     assert two["after_shape"] == one["after_shape"] == [8, 20]
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)

@@ -33,9 +33,9 @@ import transformers
 from tests.helpers.ranks import run_ranks
 from trainer_ext import TrainingArguments
 from trainer_ext.distributed.state import destroy_process_group
-from trainer_ext.training_args import STOCK_GROUP_WARNING
+from trainer_ext.trainer.training_args import STOCK_GROUP_WARNING
 
-LOGGERS = ("transformers.training_args", "trainer_ext.training_args")
+LOGGERS = ("transformers.training_args", "trainer_ext.trainer.training_args")
 
 
 def stock_warning_text() -> str:
@@ -50,7 +50,7 @@ def stock_warning_text() -> str:
             return node.value
     raise AssertionError(
         f"transformers' _setup_devices no longer logs {STOCK_GROUP_WARNING!r}: update STOCK_GROUP_WARNING in "
-        "trainer_ext/training_args.py (the filter that drops it where our engine runs the group)"
+        "trainer_ext/trainer/training_args.py (the filter that drops it where our engine runs the group)"
     )
 
 

@@ -1,6 +1,6 @@
 """``python -m trainer_ext …``: the same as the ``trainer-ext`` command."""
 
-from .cli.main import main
+from trainer_ext.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 JSON, YAML = "JSON", "YAML"
 

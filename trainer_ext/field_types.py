@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from .errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 _NONE = type(None)
 

@@ -56,7 +56,7 @@ ALLOWED_LINES = {("Device: cpu:0", "Device: cpu")}
 
 
 def _exported() -> list[str]:
-    import trainer_ext.availability as ours
+    import trainer_ext.accelerator.availability as ours
 
     return list(ours.__all__)
 

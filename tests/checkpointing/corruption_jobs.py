@@ -163,7 +163,7 @@ def prepare(run: Path, out: Path, name: str, how: str) -> None:
 
 def _ask(make: Callable[[], Trainer], value: Any) -> tuple[str | None, str | None, list[str]]:
     handler = Lines()
-    logger = logging.getLogger("trainer_ext.trainer_checkpoints")
+    logger = logging.getLogger("trainer_ext.trainer.checkpoints")
     logger.addHandler(handler)
     try:
         chosen = make().resolve_resume(value)

@@ -56,7 +56,7 @@ def trainer(out: Path, strategy: str, model=None, **overrides) -> Trainer:
 def resume_choice(out: Path, strategy: str) -> dict:
     """What ``resolve_resume("auto")`` picks on this rank and the warnings it gives."""
     handler = Lines()
-    logger = logging.getLogger("trainer_ext.trainer_checkpoints")
+    logger = logging.getLogger("trainer_ext.trainer.checkpoints")
     logger.addHandler(handler)
     try:
         chosen = trainer(out, strategy).resolve_resume("auto")

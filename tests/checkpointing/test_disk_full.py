@@ -21,8 +21,8 @@ from tests.helpers.jobs import make_args
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import verify
+from trainer_ext.checkpointing.disk_space import DiskFullError, free_bytes
 from trainer_ext.cli.main import main
-from trainer_ext.disk_space import DiskFullError, free_bytes
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,10 +23,10 @@ from tests.helpers.jobs import make_args
 from tests.helpers.ranks import child_env, run_ranks
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
-from trainer_ext.api import train
 from trainer_ext.checkpointing import COMPLETE, verify
 from trainer_ext.checkpointing.marker import SAVING
 from trainer_ext.errors import ConfigError
+from trainer_ext.job.run import train
 
 pytestmark = pytest.mark.timeout(240)
 DATA = lm_dataset(8, seed=3)
@@ -271,7 +271,7 @@ def test_a_link_made_during_the_run_where_the_results_go_is_refused(tmp_path: Pa
 
 def test_the_lock_is_never_opened_through_a_link(tmp_path: Path) -> None:
     """The lock file as a link (also a dangling one): it was opened through it and the target truncated."""
-    from trainer_ext import run_lock
+    from trainer_ext.job import run_lock
 
     victim, before = _victim(tmp_path, folder=False)
     for target in (victim, tmp_path / "nowhere"):

@@ -187,7 +187,7 @@ def test_a_finished_save_leaves_no_tag_and_a_killed_one_is_rotated_by_the_next_r
 
 HOLD = """
 import sys, time
-from trainer_ext import run_lock
+from trainer_ext.job import run_lock
 run_lock.acquire(sys.argv[1])
 print("locked", flush=True)
 time.sleep(60)
@@ -195,8 +195,8 @@ time.sleep(60)
 
 
 def test_two_runs_in_one_output_folder_are_refused_naming_the_holder(tmp_path: Path) -> None:
-    from trainer_ext import run_lock
-    from trainer_ext.api import train
+    from trainer_ext.job import run_lock
+    from trainer_ext.job.run import train
 
     out = tmp_path / "run"
     holder = subprocess.Popen(

@@ -16,8 +16,8 @@ from tests.helpers.ranks import child_env
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, Preempted, newest_complete
+from trainer_ext.checkpointing.disk_space import DiskFullError
 from trainer_ext.checkpointing.marker import seal
-from trainer_ext.disk_space import DiskFullError
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

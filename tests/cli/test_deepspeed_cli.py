@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import trainer_ext.training_args
+import trainer_ext.trainer.training_args
 from trainer_ext.cli.launch import prepare
 from trainer_ext.cli.main import main
-from trainer_ext.flags import parse_train_args
+from trainer_ext.job.flags import parse_train_args
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 ZERO2 = str(PRESETS / "zero2.json")
@@ -25,7 +25,7 @@ def _find_spec_with(monkeypatch: pytest.MonkeyPatch, deepspeed: object) -> None:
     """``find_spec("deepspeed")`` as seen by the TrainingArguments answers ``deepspeed``; other names as usual."""
     real = importlib.util.find_spec
     fake = lambda name, *args: deepspeed if name == "deepspeed" else real(name, *args)  # noqa: E731
-    monkeypatch.setattr(trainer_ext.training_args.importlib.util, "find_spec", fake)
+    monkeypatch.setattr(trainer_ext.trainer.training_args.importlib.util, "find_spec", fake)
 
 
 @pytest.fixture(autouse=True)

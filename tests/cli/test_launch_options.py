@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer_ext.cli.launch import build_parser, prepare, split_argv
-from trainer_ext.cli.launch.train_args import train_flags_set
+from trainer_ext.cli.launch.handoff import train_flags_set
 from trainer_ext.cli.main import main
 from trainer_ext.errors import ConfigError
 

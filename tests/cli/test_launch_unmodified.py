@@ -254,8 +254,8 @@ def clm_runs(tmp_path_factory) -> dict:
 def test_the_script_trains_and_evaluates_on_our_trainer(clm_runs, processes):
     out, seconds = clm_runs[processes]
     info = json.loads((out / "run_info.json").read_text())
-    assert info["trainer"] == "trainer_ext.trainer.Trainer"
-    assert info["training_args"] == "trainer_ext.training_args.TrainingArguments"
+    assert info["trainer"] == "trainer_ext.trainer.trainer.Trainer"
+    assert info["training_args"] == "trainer_ext.trainer.training_args.TrainingArguments"
     assert info["accelerate_imported"] is False or ACCELERATE_INSTALLED
     assert info["world_size"] == processes and info["main"] == "__main__"
     assert {p.name for p in out.iterdir()} == OUTPUT_FILES | {f"checkpoint-{STEPS}", "run_info.json"}
@@ -312,8 +312,11 @@ def test_a_seq2seq_script_runs_on_our_trainer_on_two_processes(tmp_path):
     start = time.perf_counter()
     succeeded(launch("--num_processes", "2", "--swap_trainer", str(SEQ2SEQ), *argv, home=tmp_path, cwd=tmp_path))
     info = json.loads((out / "run_info.json").read_text())
-    assert info["trainer_mro"][:2] == ["transformers.trainer_seq2seq.Seq2SeqTrainer", "trainer_ext.trainer.Trainer"]
-    assert "trainer_ext.training_args.TrainingArguments" in info["args_mro"] and info["world_size"] == 2
+    assert info["trainer_mro"][:2] == [
+        "transformers.trainer_seq2seq.Seq2SeqTrainer",
+        "trainer_ext.trainer.trainer.Trainer",
+    ]
+    assert "trainer_ext.trainer.training_args.TrainingArguments" in info["args_mro"] and info["world_size"] == 2
     assert info["accelerate_imported"] is False or ACCELERATE_INSTALLED
     metrics = json.loads((out / "eval_results.json").read_text())
     assert metrics["eval_token_ids"] is True  # predict_with_generate: the predictions are generated token ids

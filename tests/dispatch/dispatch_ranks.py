@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dispatch.dispatch_models import make_llama, prompt
-from trainer_ext.dispatch import dispatch_model
-from trainer_ext.dispatch.devices import resolve_max_memory
+from trainer_ext.inference import dispatch_model
+from trainer_ext.inference.devices import resolve_max_memory
 
 
 def main(out: Path, offload_dir: Path) -> None:

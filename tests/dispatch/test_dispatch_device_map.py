@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from tests.dispatch.dispatch_models import EMBED, LAYER, make_gpt2, make_llama
-from trainer_ext.dispatch import infer_auto_device_map, normalize_device, parse_size
-from trainer_ext.dispatch.devices import device_order, resolve_max_memory
-from trainer_ext.dispatch.inventory import Inventory
-from trainer_ext.dispatch.plan import make_plan
 from trainer_ext.errors import ConfigError
+from trainer_ext.inference import infer_auto_device_map, normalize_device, parse_size
+from trainer_ext.inference.devices import device_order, resolve_max_memory
+from trainer_ext.inference.inventory import Inventory
+from trainer_ext.inference.plan import make_plan
 
 
 def _bytes_per_device(model: nn.Module, device_map: dict) -> dict:
@@ -151,7 +151,7 @@ def test_dtype_sizes_the_weights() -> None:
 
 
 def test_default_budgets_are_free_memory_minus_margin(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer_ext.dispatch.devices as devices
+    import trainer_ext.inference.devices as devices
 
     monkeypatch.setattr(devices, "available_cpu_memory", lambda: 10_000)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -160,7 +160,7 @@ def test_default_budgets_are_free_memory_minus_margin(monkeypatch: pytest.Monkey
 
 def test_each_rank_budgets_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Research B19: with a process group, device_map='auto' is fine per rank, on that rank's GPUs."""
-    import trainer_ext.dispatch.devices as devices
+    import trainer_ext.inference.devices as devices
 
     monkeypatch.setattr(devices, "available_cpu_memory", lambda: 10_000)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -214,7 +214,7 @@ def test_tied_weights_split_by_hand_are_read_across() -> None:
 
 
 def test_no_room_held_back_when_offloaded_modules_run_on_the_cpu() -> None:
-    from trainer_ext.dispatch.device_map import infer_map
+    from trainer_ext.inference.device_map import infer_map
 
     inventory, budgets = Inventory(make_llama()), resolve_max_memory({0: "200KB", "cpu": "1MB"})
     assert infer_map(inventory, budgets, frozenset({"LlamaDecoderLayer"}))["model.layers"] == "cpu"

@@ -9,7 +9,7 @@ import pytest
 
 from tests.dispatch.dispatch_models import make_llama, prompt
 from tests.helpers.ranks import run_ranks
-from trainer_ext.dispatch.devices import available_cpu_memory
+from trainer_ext.inference.devices import available_cpu_memory
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

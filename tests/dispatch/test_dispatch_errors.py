@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from tests.dispatch.dispatch_models import make_llama
-from trainer_ext.dispatch import dispatch_model, infer_auto_device_map
-from trainer_ext.dispatch.inventory import Inventory
-from trainer_ext.dispatch.plan import make_plan
 from trainer_ext.errors import ConfigError
+from trainer_ext.inference import dispatch_model, infer_auto_device_map
+from trainer_ext.inference.inventory import Inventory
+from trainer_ext.inference.plan import make_plan
 
 
 def test_budget_too_small_for_one_layer() -> None:

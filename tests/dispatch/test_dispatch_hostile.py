@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.dispatch.dispatch_models import llama_config, prompt
-from trainer_ext.dispatch import init_empty_weights, load_checkpoint_and_dispatch, loading
 from trainer_ext.errors import ConfigError
+from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch, loading
 
 INDEX = "model.safetensors.index.json"
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ CHILD = """
 import sys
 from transformers import LlamaForCausalLM
 from tests.dispatch.dispatch_models import llama_config
-from trainer_ext.dispatch import init_empty_weights, load_checkpoint_and_dispatch
+from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch
 from trainer_ext.errors import ConfigError
 for path in sys.argv[1:]:
     with init_empty_weights():

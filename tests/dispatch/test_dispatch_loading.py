@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from tests.dispatch.dispatch_models import llama_config, make_llama, prompt
-from trainer_ext.dispatch import init_empty_weights, load_checkpoint_and_dispatch
 from trainer_ext.errors import ConfigError
+from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch
 
 
 def _logits(model, ids):

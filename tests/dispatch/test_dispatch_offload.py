@@ -12,10 +12,10 @@ from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
 from tests.dispatch.dispatch_models import make_gpt2, make_llama, prompt
-from trainer_ext.dispatch import dispatch_model, dispatch_summary, remove_hooks, send_to_device
-from trainer_ext.dispatch.hooks import DispatchHook, Fetch, Resident
-from trainer_ext.dispatch.inventory import Slot
 from trainer_ext.errors import ConfigError
+from trainer_ext.inference import dispatch_model, dispatch_summary, remove_hooks, send_to_device
+from trainer_ext.inference.hooks import DispatchHook, Fetch, Resident
+from trainer_ext.inference.inventory import Slot
 
 
 def _greedy(model: nn.Module, ids: torch.Tensor, **kwargs):
@@ -182,7 +182,7 @@ def test_copies_made_for_a_forward_are_released(tmp_path) -> None:
     import gc
     import weakref
 
-    from trainer_ext.dispatch import load_checkpoint_and_dispatch
+    from trainer_ext.inference import load_checkpoint_and_dispatch
 
     make_llama().save_pretrained(tmp_path)
     model = load_checkpoint_and_dispatch(

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.dispatch.dispatch_models import llama_config, prompt  # noqa: E402
-from trainer_ext.dispatch import init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 from trainer_ext.errors import ConfigError  # noqa: E402
+from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TRAINER_EXT_FUZZ_EXAMPLES", "60"))
 SETTINGS = settings(

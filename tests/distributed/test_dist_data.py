@@ -22,7 +22,7 @@ from trainer_ext.distributed import (
     ShardedDataLoader,
     skip_first_batches,
 )
-from trainer_ext.distributed.data import shard_dataloader
+from trainer_ext.distributed.data.loader import shard_dataloader
 from trainer_ext.errors import ConfigError
 
 
@@ -435,14 +435,14 @@ def test_sliced_resume_path_yields_the_same_batches(n: int, b: int, ws: int, dro
     """The O(1)-in-position skip path cuts the same global batches the iterating path produces."""
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from trainer_ext.distributed.data import BatchSamplerShard
+    from trainer_ext.distributed.data.loader import BatchSamplerShard
 
     shard = BatchSamplerShard(BatchSampler(SequentialSampler(range(n)), b, drop_last), ws, 0, even_batches=even)
     assert list(shard._sliced_batches(0)) == list(shard._global_batches())
 
 
 def test_resume_does_not_walk_through_the_skipped_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer_ext.distributed.data import BatchSamplerShard
+    from trainer_ext.distributed.data.loader import BatchSamplerShard
 
     loader = _prepared(CountingDataset(100), 4, 2, 1, shuffle=True, seed=1)
     loader.set_epoch(0)

@@ -18,8 +18,8 @@ from transformers import BatchEncoding
 
 from tests.distributed.split_dispatch_job import Regression, RegressionStream
 from trainer_ext.distributed import DistState, Engine, GradientState, ShardedDataLoader, skip_first_batches
-from trainer_ext.distributed.batches import allocate, batch_size, describe, join, take
-from trainer_ext.distributed.data import (
+from trainer_ext.distributed.data.batches import allocate, batch_size, describe, join, take
+from trainer_ext.distributed.data.loader import (
     DispatchedDataLoader,
     IterableShardLoader,
     TrackedDataLoader,

@@ -22,7 +22,7 @@ from trainer_ext.estimate.breakdown import optimizer_state
 from trainer_ext.estimate.fit import largest_batch, remedies, smaller_batch
 from trainer_ext.estimate.setup import setup_from_values
 from trainer_ext.estimate.startup import device_memory_bytes
-from trainer_ext.flags import parse_train_args
+from trainer_ext.job.flags import parse_train_args
 from trainer_ext.values import parse_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

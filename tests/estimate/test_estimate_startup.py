@@ -7,7 +7,7 @@ import logging
 import pytest
 
 import trainer_ext
-from trainer_ext.flags import parse_train_args
+from trainer_ext.job.flags import parse_train_args
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import transformers
 from tests.helpers.paths import ROOT
 from trainer_ext.cli.main import main
 from trainer_ext.errors import ConfigError
-from trainer_ext.model_limits import (
+from trainer_ext.job.model_limits import (
     MAX_LAYERS,
     MAX_PARAMETERS,
     check_config_values,
@@ -168,7 +168,7 @@ def test_a_folder_without_config_json_is_one_line(tmp_path) -> None:
     assert len(str(error.value).splitlines()) == 1
 
 
-# --- train: the job's model building calls the same check (trainer_ext/api.py build_model / model_config) ------------
+# --- train: the job's model building calls the same check (trainer_ext/job/run.py build_model / model_config) ------------
 
 TRAIN = ["--task", "causal-lm", "--max_steps", "1", "--report_plots", "false", "--save_strategy", "no"]
 TRAIN += ["--save_final_model", "false", "--run_summary", "false"]

@@ -17,10 +17,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import PeftModel  # noqa: E402
 
-from trainer_ext import api  # noqa: E402
 from trainer_ext.cli.main import main  # noqa: E402
-from trainer_ext.flags import parse_train_args  # noqa: E402
-from trainer_ext.lora import MERGED_DIR  # noqa: E402
+from trainer_ext.job import run as api  # noqa: E402
+from trainer_ext.job.flags import parse_train_args  # noqa: E402
+from trainer_ext.job.lora import MERGED_DIR  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ import pytest
 trl = pytest.importorskip("trl")
 
 from trainer_ext import TrainingArguments, adapt  # noqa: E402
-from trainer_ext.foreign_trainers import rebase_arguments  # noqa: E402
+from trainer_ext.trainer.adapt import rebase_arguments  # noqa: E402
 
 
 @pytest.mark.parametrize("config", ["GRPOConfig", "RLOOConfig"])

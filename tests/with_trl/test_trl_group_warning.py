@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-LOGGERS = ("transformers.training_args", "trainer_ext.training_args")
+LOGGERS = ("transformers.training_args", "trainer_ext.trainer.training_args")
 
 
 class _Kept(logging.Handler):
@@ -54,7 +54,7 @@ def main(out: str) -> None:
 
     from trainer_ext import adapt  # noqa: F401  (what an adapted script imports before parsing its arguments)
     from trainer_ext.distributed.state import destroy_process_group
-    from trainer_ext.foreign_trainers import rebase_arguments
+    from trainer_ext.trainer.adapt import rebase_arguments
 
     kept = _Kept()
     for name in LOGGERS:

@@ -135,7 +135,9 @@ def test_adapted_trainer_matches_trl_on_its_stock_path(trainer: str) -> None:
     stock, ours = _run(trainer, "stock", "stock"), _run(trainer, "ours", "ours")
     assert stock["engine"] == "accelerate.accelerator.Accelerator"  # the stock path is accelerate's
     assert ours["engine"] == "trainer_ext.distributed.engine.Engine"
-    assert ours["args_type"][1] == "trainer_ext.training_args.TrainingArguments"  # re-based, TRL's config first
+    assert (
+        ours["args_type"][1] == "trainer_ext.trainer.training_args.TrainingArguments"
+    )  # re-based, TRL's config first
     assert ours["args_type"][0] == stock["args_type"][0]
     assert len(ours["steps"]) == 6 and ours["final_step"] == stock["final_step"] == 6
     for step, loss in _losses(stock).items():
@@ -177,8 +179,8 @@ def test_a_trl_config_is_rebased_with_every_field_kept(config: str, tmp_path: Pa
     import trl
 
     import trainer_ext
-    from trainer_ext.foreign_trainers import rebase_arguments
-    from trainer_ext.training_args import TrainingArguments as Ours
+    from trainer_ext.trainer.adapt import rebase_arguments
+    from trainer_ext.trainer.training_args import TrainingArguments as Ours
 
     args = getattr(trl, config)(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=48, seed=3)
     rebased = rebase_arguments(args)

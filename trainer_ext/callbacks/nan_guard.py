@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..distributed.optimizer import EngineOptimizer
-from ._log_entry import add_to_log
+from trainer_ext.callbacks._log_entry import add_to_log
+from trainer_ext.distributed.optimizer import EngineOptimizer
 
 logger = logging.getLogger(__name__)
 

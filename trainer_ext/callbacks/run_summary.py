@@ -13,7 +13,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback
 
-from .. import cpu_threads
+from trainer_ext.distributed import cpu_threads
 
 
 def _length(loader: Any) -> int | None:

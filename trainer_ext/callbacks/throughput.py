@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import DefaultFlowCallback, TrainerCallback
 
-from ._log_entry import add_to_log
+from trainer_ext.callbacks._log_entry import add_to_log
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's data sheets; the first entry whose words all appear in
 # torch.cuda.get_device_name() wins ("NVIDIA H100 80GB HBM3" is the SXM part).

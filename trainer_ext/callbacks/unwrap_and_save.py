@@ -30,12 +30,11 @@ from safetensors import safe_open
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .. import _compat
-from ..checkpointing import sharded as sharded_checkpoint
-from ..checkpointing.links import move_into, remove_entry
-from ..distributed.strategies import checkpoint_owner
-from ..errors import ConfigError
-from ..saving import is_peft_model, save_model, tied_groups
+from trainer_ext.checkpointing import sharded as sharded_checkpoint
+from trainer_ext.checkpointing.links import move_into, remove_entry
+from trainer_ext.checkpointing.saving import is_peft_model, save_model, saved_weight_names, tied_groups
+from trainer_ext.distributed.strategies import checkpoint_owner
+from trainer_ext.errors import ConfigError
 
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 PROCESSING_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -81,7 +80,7 @@ def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]
     shapes = _shapes(state)
     if getattr(model, "config", None) is not None and hasattr(model, "save_pretrained"):
         meta = {k: torch.empty(shapes[k], dtype=v.dtype, device="meta") for k, v in state.items()}
-        converted = _compat.saved_weight_names(model, meta)  # transformers renames some weights on save
+        converted = saved_weight_names(model, meta)  # transformers renames some weights on save
         if converted is not None and set(converted) != set(meta):
             return _shapes(converted), tied
     return shapes, tied

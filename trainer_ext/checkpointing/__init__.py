@@ -1,9 +1,9 @@
 """Checkpoint I/O below the Trainer: atomic commit markers, verified resume, safe rotation, preemption handling."""
 
-from .listing import newest_complete, rotate
-from .marker import COMPLETE, CheckpointError, write_marker
-from .preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback
-from .verification import verify
+from trainer_ext.checkpointing.listing import newest_complete, rotate
+from trainer_ext.checkpointing.marker import COMPLETE, CheckpointError, write_marker
+from trainer_ext.checkpointing.preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback
+from trainer_ext.checkpointing.verification import verify
 
 __all__ = [
     "COMPLETE",

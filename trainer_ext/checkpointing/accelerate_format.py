@@ -30,12 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ..errors import ConfigError
-from . import sharded as sharded_checkpoint
-from .loop_state import _check_keys, _owner
-from .marker import COMPLETE, is_complete, read_marker
-from .safe_globals import numpy_rng_safe_globals
-from .together import agreed
+from trainer_ext.checkpointing import sharded as sharded_checkpoint
+from trainer_ext.checkpointing.loop_state import _check_keys, _owner
+from trainer_ext.checkpointing.marker import COMPLETE, is_complete, read_marker
+from trainer_ext.checkpointing.safe_globals import numpy_rng_safe_globals
+from trainer_ext.checkpointing.together import agreed
+from trainer_ext.errors import ConfigError
 
 __all__ = ["is_accelerate_checkpoint", "load_accelerate_state", "loaded_lines", "saved_lines"]
 logger = logging.getLogger(__name__)

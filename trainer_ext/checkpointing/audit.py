@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .durable import writer_rank
-from .listing import sorted_checkpoints
-from .marker import (
+from trainer_ext.checkpointing.durable import writer_rank
+from trainer_ext.checkpointing.listing import sorted_checkpoints
+from trainer_ext.checkpointing.marker import (
     COMPLETE,
     LOOP,
     MARKER_CRC,
@@ -29,7 +28,8 @@ from .marker import (
     read_marker,
     write_marker,
 )
-from .verification import LOOP_STATE, SEAL_COMMAND, WEIGHTS, Problem, find_problems
+from trainer_ext.checkpointing.verification import LOOP_STATE, SEAL_COMMAND, WEIGHTS, Problem, find_problems
+from trainer_ext.errors import ConfigError
 
 _NOT_FACTS = (MARKER_FORMAT, "files", "crc32", MARKER_CRC)  # what a marker records of the files, not of the run
 

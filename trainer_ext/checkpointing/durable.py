@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..env_vars import LOCAL_RANK
+from trainer_ext.env_vars import LOCAL_RANK
 
 # fsync refused because the file system cannot do it (some refuse it on folders, or read-only mounts): nothing
 # to make durable there. Any other error (EIO, ENOSPC ...) means data may be lost: it is raised.

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 
 def is_link(path: str | os.PathLike) -> bool:

@@ -7,8 +7,15 @@ import re
 import shutil
 from pathlib import Path
 
-from .marker import SAVING, TRAINER_STATE, CheckpointError, has_marker, is_complete, remove_marker
-from .verification import verify
+from trainer_ext.checkpointing.marker import (
+    SAVING,
+    TRAINER_STATE,
+    CheckpointError,
+    has_marker,
+    is_complete,
+    remove_marker,
+)
+from trainer_ext.checkpointing.verification import verify
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -24,14 +24,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ..errors import ConfigError
-from ..saving import tied_groups, unique_state_dict
-from . import sharded as sharded_checkpoint
-from .durable import flush_tree, fsync_dir
-from .links import refuse_link, refuse_links_under
-from .marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker, remove_marker, write_marker
-from .together import agreed, own_checksums, verify_together
-from .verification import seal_hint
+from trainer_ext.checkpointing import sharded as sharded_checkpoint
+from trainer_ext.checkpointing.durable import flush_tree, fsync_dir
+from trainer_ext.checkpointing.links import refuse_link, refuse_links_under
+from trainer_ext.checkpointing.marker import (
+    COMPLETE,
+    LOOP,
+    CheckpointError,
+    is_complete,
+    read_marker,
+    remove_marker,
+    write_marker,
+)
+from trainer_ext.checkpointing.saving import tied_groups, unique_state_dict
+from trainer_ext.checkpointing.together import agreed, own_checksums, verify_together
+from trainer_ext.checkpointing.verification import seal_hint
+from trainer_ext.errors import ConfigError
 
 __all__ = ["COMPLETE", "load_state", "save_state"]
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from .durable import checksums, fsync_dir
+from trainer_ext.checkpointing.durable import checksums, fsync_dir
 
 COMPLETE = "COMPLETE"
 MARKER_FORMAT = "trainer_ext_checkpoint"

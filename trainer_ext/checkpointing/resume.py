@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..values import FALSE_WORDS, TRUE_WORDS
+from trainer_ext.values import FALSE_WORDS, TRUE_WORDS
 
 AUTO = "auto"
 # the one boolean vocabulary (values.py), plus what only a resume request can mean

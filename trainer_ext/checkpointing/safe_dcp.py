@@ -24,7 +24,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 METADATA = ".metadata"
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")

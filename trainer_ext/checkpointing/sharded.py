@@ -28,9 +28,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError
-from ..saving import drop_tied, has_adapters, plan_shards, write_shards
-from .safe_dcp import METADATA, SafeLoadPlanner, SafeReader, UnsafeCheckpointError, load_metadata
+from trainer_ext.checkpointing.safe_dcp import (
+    METADATA,
+    SafeLoadPlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    load_metadata,
+)
+from trainer_ext.checkpointing.saving import drop_tied, has_adapters, plan_shards, write_shards
+from trainer_ext.errors import ConfigError
 
 MODEL_DIR = "model_sharded"
 OPTIMIZER_DIR = "optimizer_sharded"

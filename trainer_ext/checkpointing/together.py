@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .durable import checksums, writer_rank
-from .listing import sorted_checkpoints
-from .marker import TRAINER, TRAINER_STATE, CheckpointError, has_marker
-from .verification import verify
+from trainer_ext.checkpointing.durable import checksums, writer_rank
+from trainer_ext.checkpointing.listing import sorted_checkpoints
+from trainer_ext.checkpointing.marker import TRAINER, TRAINER_STATE, CheckpointError, has_marker
+from trainer_ext.checkpointing.verification import verify
 
 
 def _world() -> tuple[int, int]:

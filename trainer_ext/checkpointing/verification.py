@@ -17,9 +17,18 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .durable import crc32
-from .marker import COMPLETE, LOOP, SAVING, TRAINER, TRAINER_STATE, CheckpointError, listed_files, read_marker
-from .safe_globals import numpy_rng_safe_globals
+from trainer_ext.checkpointing.durable import crc32
+from trainer_ext.checkpointing.marker import (
+    COMPLETE,
+    LOOP,
+    SAVING,
+    TRAINER,
+    TRAINER_STATE,
+    CheckpointError,
+    listed_files,
+    read_marker,
+)
+from trainer_ext.checkpointing.safe_globals import numpy_rng_safe_globals
 
 # a Trainer checkpoint's weights: transformers' files (whole, sharded, adapter) or a strategy's own format
 WEIGHTS = (
@@ -182,7 +191,7 @@ def check_zip(path: Path) -> None:
 
 def check_dcp_metadata(path: Path) -> None:
     """A DCP folder's ``.metadata`` read through the allow-list, its non-tensor values ``weights_only``."""
-    from .safe_dcp import UnsafeCheckpointError, check_values, load_metadata
+    from trainer_ext.checkpointing.safe_dcp import UnsafeCheckpointError, check_values, load_metadata
 
     try:
         check_values(path.parent, load_metadata(path))

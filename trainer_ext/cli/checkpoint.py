@@ -12,7 +12,7 @@ import argparse
 import shlex
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 EXIT_OK, EXIT_NOT_VERIFIED = 0, 1
 _USAGE = "trainer-ext checkpoint {verify,seal} DIR"
@@ -69,7 +69,7 @@ def _describe(marker: dict, kind: str | None) -> str:
 
 
 def _verify(directory: str) -> int:
-    from ..checkpointing.audit import audit
+    from trainer_ext.checkpointing.audit import audit
 
     found = audit(directory)
     if found.ok:
@@ -87,7 +87,7 @@ def _verify(directory: str) -> int:
 
 
 def _seal(directory: str) -> int:
-    from ..checkpointing.audit import seal_checkpoint
+    from trainer_ext.checkpointing.audit import seal_checkpoint
 
     sealed = seal_checkpoint(directory)
     what = _describe(sealed.marker, None)

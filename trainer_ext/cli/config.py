@@ -21,11 +21,8 @@ from typing import Any
 
 import yaml
 
-from ..config_files import JSON, file_format, load_mapping
-from ..errors import ConfigError, did_you_mean
-from ..values import parse_bool
-from .launch import settings as launch_settings
-from .launch.config_file import (
+from trainer_ext.cli.launch import settings as launch_settings
+from trainer_ext.cli.launch.config_file import (
     IGNORED_KEYS,
     KNOWN_KEYS,
     MIXED_PRECISION,
@@ -36,7 +33,10 @@ from .launch.config_file import (
     read_config_file,
     whole_number,
 )
-from .launch.fsdp import fsdp_problems
+from trainer_ext.cli.launch.fsdp import fsdp_problems
+from trainer_ext.config_files import JSON, file_format, load_mapping
+from trainer_ext.errors import ConfigError, did_you_mean
+from trainer_ext.values import parse_bool
 
 HEADER = (
     "# Launch config for `trainer-ext launch` (written by `trainer-ext config`).\n"
@@ -256,7 +256,7 @@ MODEL_KEYS = (
 
 
 def _key_sets() -> dict[str, set[str]]:
-    from ..arguments import field_names
+    from trainer_ext.job.arguments import field_names
 
     return {
         "launch": set(KNOWN_KEYS),
@@ -311,7 +311,7 @@ def _refused(path: Path, kind: str, how: str, problem: str) -> tuple[list[str], 
 
 
 def _explain_fsdp(path: Path, how: str) -> tuple[list[str], str]:
-    from ..distributed.fsdp_config import read_fsdp_settings
+    from trainer_ext.distributed.strategies.fsdp.config import read_fsdp_settings
 
     try:
         settings, warnings = read_fsdp_settings(True, str(path))
@@ -325,7 +325,7 @@ def _explain_fsdp(path: Path, how: str) -> tuple[list[str], str]:
 
 
 def _explain_deepspeed(path: Path, how: str) -> tuple[list[str], str]:
-    from ..distributed.deepspeed_config import auto_keys, load_deepspeed_config, zero_stage
+    from trainer_ext.distributed.strategies.deepspeed.config import auto_keys, load_deepspeed_config, zero_stage
 
     try:
         config = load_deepspeed_config(str(path))
@@ -339,8 +339,8 @@ def _explain_deepspeed(path: Path, how: str) -> tuple[list[str], str]:
 
 
 def _explain_train(path: Path, how: str) -> tuple[list[str], str]:
-    from ..estimate.job import parse_job_flags
-    from ..flags import load_config_file
+    from trainer_ext.estimate.job import parse_job_flags
+    from trainer_ext.job.flags import load_config_file
 
     try:
         keys = load_config_file(str(path))

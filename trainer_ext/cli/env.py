@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from .. import __version__
-from ..env_vars import LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-from .launch.config_file import find_config_file, read_config_file
+from trainer_ext import __version__
+from trainer_ext.cli.launch.config_file import find_config_file, read_config_file
+from trainer_ext.env_vars import LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 
 PACKAGES = ("transformers", "datasets", "safetensors", "deepspeed", "peft")
 ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_", "GLOO_", "TORCH_", "ACCELERATE_", "TRAINER_EXT_")
@@ -110,7 +110,7 @@ def run_env(argv: Sequence[str]) -> int:
         print("usage: trainer-ext env\n\nPrint versions, devices and the launch config in use, for bug reports.")
         return 0
     if argv:
-        from ..errors import ConfigError
+        from trainer_ext.errors import ConfigError
 
         raise ConfigError(f"env takes no arguments, got {' '.join(argv)}")
     print(report())

@@ -20,9 +20,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import env_vars
-from ..errors import ConfigError
-from ..values import format_size
+from trainer_ext import env_vars
+from trainer_ext.errors import ConfigError
+from trainer_ext.values import format_size
 
 WORKER = "trainer_ext.estimate.worker"
 
@@ -170,11 +170,11 @@ def _cannot_write(path: str, error: OSError) -> str:
 
 def run_estimate(argv: Sequence[str]) -> int:
     """Print the estimate (and the measurement); exit 0, 1 when the measuring run failed."""
-    from ..estimate.breakdown import estimate
-    from ..estimate.fit import largest_batch, remedies
-    from ..estimate.job import job_from_argv
-    from ..estimate.report import check_writable, format_breakdown, json_document
-    from ..estimate.startup import device_memory_bytes
+    from trainer_ext.estimate.breakdown import estimate
+    from trainer_ext.estimate.fit import largest_batch, remedies
+    from trainer_ext.estimate.job import job_from_argv
+    from trainer_ext.estimate.report import check_writable, format_breakdown, json_document
+    from trainer_ext.estimate.startup import device_memory_bytes
 
     parser = build_parser()
     options, train_argv = parser.parse_known_args(list(argv))

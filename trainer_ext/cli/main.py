@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import cpu_threads
-from ..errors import ConfigError, did_you_mean
+from trainer_ext.distributed import cpu_threads
+from trainer_ext.errors import ConfigError, did_you_mean
 
 EXIT_USAGE = 2
 
@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
 
 
 def _build_train_parser():
-    from ..flags import build_parser  # torch and transformers: only when the flag spec is not current
+    from trainer_ext.job.flags import build_parser  # torch and transformers: only when the flag spec is not current
 
     return build_parser()
 
@@ -66,10 +66,10 @@ def check_train_flags(argv: Sequence[str]) -> None:
     """Flags, their values, the ``--config`` files' keys, and the model and data fields (paths, presets, task)
     checked before torch is imported; ConfigError on the first problem. What needs the real types or the model is
     left to the full parse."""
-    from ..config_files import load_mapping
-    from ..flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
-    from ..job_fields import DataArguments, ModelArguments
-    from ..values import normalize_keys
+    from trainer_ext.config_files import load_mapping
+    from trainer_ext.job.fields import DataArguments, ModelArguments
+    from trainer_ext.job.flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
+    from trainer_ext.values import normalize_keys
 
     flags = load_spec(_build_train_parser)
     given = check_argv(argv, flags)
@@ -92,20 +92,20 @@ def check_train_flags(argv: Sequence[str]) -> None:
 def run_train(argv: Sequence[str]) -> int:
     """``trainer-ext train``: flags and config files checked before the heavy imports, the CPU thread policy set,
     then the job run; prints where the model went."""
-    from ..flag_help import HELP_ALL
+    from trainer_ext.job.flag_help import HELP_ALL
 
     # first: a stale flag spec below is rebuilt by the real parser, which imports torch
     cpu_threads.apply_to_environment(cpu_threads.local_processes())
     if any(word in ("-h", "--help", HELP_ALL) for word in argv):
-        from ..flag_help import render
-        from ..flag_spec import load_spec
+        from trainer_ext.job.flag_help import render
+        from trainer_ext.job.flag_spec import load_spec
 
         print(render(load_spec(_build_train_parser), everything=HELP_ALL in argv), end="")
         return 0
     check_train_flags(argv)
 
-    from ..api import train
-    from ..flags import parse_train_args
+    from trainer_ext.job.flags import parse_train_args
+    from trainer_ext.job.run import train
 
     args = parse_train_args(argv)
     is_main = args.process_index == 0

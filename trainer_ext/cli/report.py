@@ -7,9 +7,9 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from ..errors import ConfigError
-from ..report.build import COMPARE_DIR, DEFAULT_SMOOTHING, PAGE, write_report
-from ..report.reading import one_line
+from trainer_ext.errors import ConfigError
+from trainer_ext.report.build import COMPARE_DIR, DEFAULT_SMOOTHING, PAGE, write_report
+from trainer_ext.report.reading import one_line
 
 
 class _Parser(argparse.ArgumentParser):

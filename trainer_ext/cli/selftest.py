@@ -12,8 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import ConfigError
-from .launch import describe, execute, prepare
+from trainer_ext.cli.launch import describe, execute, prepare
+from trainer_ext.errors import ConfigError
 
 WORKER = "trainer_ext.cli.selftest_worker"
 

@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..distributed import collectives
-from ..distributed.engine import Engine
-from ..distributed.state import DistState
+from trainer_ext.distributed import collectives
+from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.state import DistState
 
 STEPS, PER_RANK, SEQ_LEN, VOCAB, LR = 3, 2, 12, 64, 0.5
 Check = Callable[[DistState, float], tuple[bool, str]]

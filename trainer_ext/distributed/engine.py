@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import collectives
-from .accumulation import GradientState
-from .data import shard_dataloader
-from .engine_names import AccelerateNames
-from .optimizer import EngineOptimizer, OptimizerPlaceholder
-from .precision import Precision
-from .state import DistributedType, DistState
-from .strategies import Strategy, resolve_strategy
+from trainer_ext.distributed import collectives
+from trainer_ext.distributed.accumulation import GradientState
+from trainer_ext.distributed.data.loader import shard_dataloader
+from trainer_ext.distributed.engine_names import AccelerateNames
+from trainer_ext.distributed.optimizer import EngineOptimizer, OptimizerPlaceholder
+from trainer_ext.distributed.precision import Precision
+from trainer_ext.distributed.state import DistributedType, DistState
+from trainer_ext.distributed.strategies import Strategy, resolve_strategy
 
 
 class Engine(AccelerateNames):
@@ -228,7 +228,7 @@ class Engine(AccelerateNames):
         """Shard ``dataloader`` over the processes; its batches move to our device unless placement is off.
 
         ``split_batches``, ``dispatch_batches`` and ``even_batches`` mean what they mean to accelerate (see
-        :func:`~trainer_ext.distributed.data.shard_dataloader`); they are read at each call, so setting one between
+        :func:`~trainer_ext.distributed.data.loader.shard_dataloader`); they are read at each call, so setting one between
         two ``prepare`` calls applies to the loaders prepared after.
         """
         place = self.device_placement if device_placement is None else device_placement

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .split import share_of
+from trainer_ext.distributed.data.split import share_of
 
 
 class DataLoaderConfigView:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from trainer_ext.distributed.engine import Engine
 
 
 class OptimizerPlaceholder:

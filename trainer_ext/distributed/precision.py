@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..values import MIXED_PRECISION
-from .collectives import recursively_apply
+from trainer_ext.distributed.collectives import recursively_apply
+from trainer_ext.values import MIXED_PRECISION
 
 # fp8 runs its Linear layers in float8 (torchao) and everything else under bf16 autocast
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

@@ -9,9 +9,9 @@ import importlib.util
 
 import torch
 
-from ..errors import ConfigError
-from .state import DistState
-from .strategies import STRATEGIES  # the registry: strategies never import this module
+from trainer_ext.distributed.state import DistState
+from trainer_ext.distributed.strategies import STRATEGIES  # the registry: strategies never import this module
+from trainer_ext.errors import ConfigError
 
 
 def check_precision(mixed_precision: str, device: torch.device, *, fp16: bool = False, bf16: bool = False) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..env_vars import (
+from trainer_ext.env_vars import (
     GROUP_RANK,
     LOCAL_RANK,
     LOCAL_WORLD_SIZE,
@@ -31,7 +31,7 @@ from ..env_vars import (
     RANK,
     WORLD_SIZE,
 )
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 
 class DistributedType(str, Enum):

@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from .breakdown import Breakdown, estimate
-from .setup import Setup
-from .shape import ModelShape
+from trainer_ext.estimate.breakdown import Breakdown, estimate
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.estimate.shape import ModelShape
 
 __all__ = ["Breakdown", "ModelShape", "Setup", "estimate"]

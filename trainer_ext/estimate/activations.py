@@ -21,8 +21,8 @@ layer's input (``h`` per token per layer) and recomputes one layer at a time in 
 
 from __future__ import annotations
 
-from .setup import Setup
-from .shape import ModelShape
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.estimate.shape import ModelShape
 
 GPT2_LIKE = ("gpt2", "gpt_neo", "gptj", "codegen")
 BERT_LIKE = ("bert", "roberta", "distilbert", "electra", "deberta", "deberta-v2", "xlm-roberta", "camembert")

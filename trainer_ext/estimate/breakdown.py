@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .activations import activation_bytes, transient_activation_bytes
-from .setup import Setup
-from .shape import ModelShape
+from trainer_ext.estimate.activations import activation_bytes, transient_activation_bytes
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.estimate.shape import ModelShape
 
 KEYS = ("weights", "gradients", "optimizer", "activations", "total")
 

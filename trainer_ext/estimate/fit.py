@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .breakdown import estimate
-from .setup import Setup
-from .shape import ModelShape
+from trainer_ext.estimate.breakdown import estimate
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.estimate.shape import ModelShape
 
 MAX_BATCH = 1 << 20
 

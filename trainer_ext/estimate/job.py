@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..job_fields import PRESETS
-from ..model_limits import check_job_config, check_model_config
-from .lengths import sample_column, sequence_length
-from .setup import Setup, setup_from_values
-from .shape import ModelShape
+from trainer_ext.errors import ConfigError
+from trainer_ext.estimate.lengths import sample_column, sequence_length
+from trainer_ext.estimate.setup import Setup, setup_from_values
+from trainer_ext.estimate.shape import ModelShape
+from trainer_ext.job.fields import PRESETS
+from trainer_ext.job.model_limits import check_job_config, check_model_config
 
 # read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs a launcher)
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
@@ -44,9 +44,9 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
     machine's device (fp16 needing CUDA, bf16/fp8 support): --fsdp with --deepspeed, --fp16 with --bf16, --fp8 with
     either, the strategy's process count (the job is estimated as launched: FSDP on one process is allowed then),
     fsdp_config checks, --auto_find_batch_size with a sharding strategy."""
-    from ..arguments import TrainJobArguments
-    from ..distributed.fsdp_config import fsdp_requested
-    from ..distributed.rules import check_precision, check_world
+    from trainer_ext.distributed.rules import check_precision, check_world
+    from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested
+    from trainer_ext.job.arguments import TrainJobArguments
 
     fp16, bf16 = bool(values.get("fp16")), bool(values.get("bf16"))
     if values.get("fp8") and (fp16 or bf16):
@@ -66,8 +66,8 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
 def parse_job_flags(argv: Sequence[str], num_processes: int) -> tuple[dict[str, Any], Any]:
     """The flag values and the TrainJobArguments ``train`` would build, checked as launched on ``num_processes``
     ranks but not against this machine (strategy and precision flags are left out of the arguments)."""
-    from ..arguments import TrainJobArguments
-    from ..flags import _unknown_flag_error, parse_train_values
+    from trainer_ext.job.arguments import TrainJobArguments
+    from trainer_ext.job.flags import _unknown_flag_error, parse_train_values
 
     values, extras, parser = parse_train_values(argv)
     if extras:
@@ -82,7 +82,7 @@ def parse_job_flags(argv: Sequence[str], num_processes: int) -> tuple[dict[str, 
 def vocabulary_note(args: Any, tokenizer: Any) -> str | None:
     """What ``train`` does to a from-scratch config file's ``vocab_size`` (sizes it to the tokenizer), when that
     changes it; None otherwise (a preset names no vocabulary, a pretrained model keeps its own)."""
-    from ..api import model_config
+    from trainer_ext.job.run import model_config
 
     if args.model_name_or_path or not args.model_config or not os.path.exists(os.path.expanduser(args.model_config)):
         return None
@@ -115,7 +115,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
     unreadable data or config."""
     import transformers
 
-    from ..api import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
+    from trainer_ext.job.run import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
 
     config = check_job_config(args)  # before the data is read or anything built
     raw = load_raw_datasets(args)
@@ -138,7 +138,7 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
             model = build_model(args, tokenizer, labels)
             check_model_config(model.config, _config_source(args))  # sized to the tokenizer and the labels
         if args.lora_r:  # as train: only the adapters (and a classifier head) train
-            from ..lora import apply_lora
+            from trainer_ext.job.lora import apply_lora
 
             model = apply_lora(args, model)
     return model, sequence_length(args, lengths), notes

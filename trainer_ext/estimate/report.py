@@ -6,10 +6,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
-from ..values import format_size
-from .breakdown import KEYS, Breakdown
-from .setup import Setup
+from trainer_ext.errors import ConfigError
+from trainer_ext.estimate.breakdown import KEYS, Breakdown
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.values import format_size
 
 LABELS = {
     "weights": "weights",

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
 # bytes of optimizer state per trainable parameter (fp32 states); adafactor is factored (see optimizer_state)
@@ -110,7 +110,7 @@ class Setup:
 
 
 def _deepspeed_settings(source: Any) -> dict[str, Any]:
-    from ..distributed.deepspeed_config import get_value, load_deepspeed_config, zero_stage
+    from trainer_ext.distributed.strategies.deepspeed.config import get_value, load_deepspeed_config, zero_stage
 
     config = load_deepspeed_config(source)
 
@@ -154,7 +154,7 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsd
 
     ``fsdp_settings``: the job's :class:`FSDPSettings` when already read (``train``'s start-up); else they are read
     from the ``fsdp``/``fsdp_config`` values."""
-    from ..distributed.fsdp_config import fsdp_requested, parse_fsdp
+    from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested, parse_fsdp
 
     precision = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "no"
     checkpointing = bool(values.get("activation_checkpointing") or values.get("gradient_checkpointing"))

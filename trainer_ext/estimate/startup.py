@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import ConfigError
-from ..values import format_size, parse_size
-from .breakdown import estimate
-from .fit import largest_batch, remedies
-from .lengths import sample_column, sequence_length
-from .report import format_breakdown
-from .setup import setup_from_values
-from .shape import ModelShape
+from trainer_ext.errors import ConfigError
+from trainer_ext.estimate.breakdown import estimate
+from trainer_ext.estimate.fit import largest_batch, remedies
+from trainer_ext.estimate.lengths import sample_column, sequence_length
+from trainer_ext.estimate.report import format_breakdown
+from trainer_ext.estimate.setup import setup_from_values
+from trainer_ext.estimate.shape import ModelShape
+from trainer_ext.values import format_size, parse_size
 
 logger = logging.getLogger("trainer_ext.estimate")
 
@@ -55,7 +55,7 @@ def _sequence_length(args: Any, dataset: Any) -> int:
 def setup_for(args: Any, world_size: int, seq_len: int):
     """The Setup of built TrainJobArguments: FSDP from the settings the arguments already read
     (``fsdp_plugin_args``), the DeepSpeed config as given."""
-    from ..distributed.fsdp_config import FSDPSettings
+    from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings
 
     values = {name: getattr(args, name, None) for name in ("bf16", "fp16", "per_device_train_batch_size")}
     values.update(

@@ -24,9 +24,9 @@ RUN_FLAGS = (
 
 
 def main(argv: Sequence[str]) -> int:
-    from ..api import train
-    from ..flags import parse_train_args
-    from .measure import MeasureCallback
+    from trainer_ext.estimate.measure import MeasureCallback
+    from trainer_ext.job.flags import parse_train_args
+    from trainer_ext.job.run import train
 
     out_dir, train_argv = argv[0], list(argv[1:])
     run_dir = os.path.join(out_dir, "run")  # the same on every rank; the caller removes out_dir

@@ -6,11 +6,11 @@ perplexity and next-token accuracy) stream: ``add_batch`` keeps counts, never pr
 
 from __future__ import annotations
 
-from .base import Metric
-from .classification import AVERAGES, F1, Accuracy, MatthewsCorrelation, Precision, Recall
-from .for_trainer import TrainerMetrics, build_metrics, parse_names
-from .language_modeling import IGNORE_INDEX, Perplexity, TokenAccuracy
-from .registry import NAMES, TASK_METRICS, load
+from trainer_ext.metrics.base import Metric
+from trainer_ext.metrics.classification import AVERAGES, F1, Accuracy, MatthewsCorrelation, Precision, Recall
+from trainer_ext.metrics.for_trainer import TrainerMetrics, build_metrics, parse_names
+from trainer_ext.metrics.language_modeling import IGNORE_INDEX, Perplexity, TokenAccuracy
+from trainer_ext.metrics.registry import NAMES, TASK_METRICS, load
 
 __all__ = [
     "AVERAGES",

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Metric, to_numpy
+from trainer_ext.metrics.base import Metric, to_numpy
 
 AVERAGES = ("binary", "macro", "micro", "weighted")
 MAX_ID = 2**62  # class ids as int64, with room to spare

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import Metric
-from .registry import CLASSIFICATION, metric_class, normalize_name
+from trainer_ext.metrics.base import Metric
+from trainer_ext.metrics.registry import CLASSIFICATION, metric_class, normalize_name
 
 AVERAGED = ("f1", "precision", "recall")
 

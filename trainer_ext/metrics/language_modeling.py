@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Metric
+from trainer_ext.metrics.base import Metric
 
 IGNORE_INDEX = -100
 

@@ -13,10 +13,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, did_you_mean
-from .base import Metric
-from .classification import F1, Accuracy, MatthewsCorrelation, Precision, Recall
-from .language_modeling import Perplexity, TokenAccuracy
+from trainer_ext.errors import ConfigError, did_you_mean
+from trainer_ext.metrics.base import Metric
+from trainer_ext.metrics.classification import F1, Accuracy, MatthewsCorrelation, Precision, Recall
+from trainer_ext.metrics.language_modeling import Perplexity, TokenAccuracy
 
 CLASSIFICATION = "sequence-classification"
 CAUSAL_LM = "causal-lm"

@@ -6,9 +6,9 @@ import logging
 import os
 from pathlib import Path
 
-from ..errors import ConfigError
-from .reading import is_dir
-from .run import load_runs
+from trainer_ext.errors import ConfigError
+from trainer_ext.report.reading import is_dir
+from trainer_ext.report.run import load_runs
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ def write_report(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from error
-    from .draw import draw_all
-    from .figures import FIGURE_NAMES, Figure
-    from .page import render
+    from trainer_ext.report.draw import draw_all
+    from trainer_ext.report.figures import FIGURE_NAMES, Figure
+    from trainer_ext.report.page import render
 
     note = f"No figures: {missing}." if missing else None
     if any(run.status == "running" for run in runs):

@@ -18,9 +18,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..callbacks._log_entry import add_to_log
-from ..callbacks.throughput import ThroughputCallback
-from .events import append_event, start_fresh, this_process
+from trainer_ext.callbacks._log_entry import add_to_log
+from trainer_ext.callbacks.throughput import ThroughputCallback
+from trainer_ext.report.events import append_event, start_fresh, this_process
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class ReportCallback(TrainerCallback):
         return self._write(partial=False)
 
     def _write(self, *, partial: bool, step: int | None = None) -> Path | None:
-        from .build import matplotlib_missing, write_report
-        from .summary import is_train_command
+        from trainer_ext.report.build import matplotlib_missing, write_report
+        from trainer_ext.report.summary import is_train_command
 
         began = time.perf_counter()
         who = "trainer-ext train" if is_train_command(sys.argv) else "trainer_ext.train()"

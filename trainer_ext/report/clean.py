@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .events import MAX_COUNT
+from trainer_ext.report.events import MAX_COUNT
 
 # logged values beyond this magnitude are left out of figures and tables: a float axis spanning them overflows
 VALUE_LIMIT = 1e100

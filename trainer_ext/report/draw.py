@@ -6,9 +6,16 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .figures import Figure, eval_metrics_figure, line_figure, loss_figure, stability_figure, throughput_figure
-from .run import RunData
-from .timeline import timeline_figure
+from trainer_ext.report.figures import (
+    Figure,
+    eval_metrics_figure,
+    line_figure,
+    loss_figure,
+    stability_figure,
+    throughput_figure,
+)
+from trainer_ext.report.run import RunData
+from trainer_ext.report.timeline import timeline_figure
 
 
 def draw_all(runs: list[RunData], out: Path, smoothing: float, notes: list[str] | None = None) -> list[Figure]:

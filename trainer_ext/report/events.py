@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .reading import EVENTS_MAX_BYTES, Unreadable, read_bytes
+from trainer_ext.report.reading import EVENTS_MAX_BYTES, Unreadable, read_bytes
 
 EVENTS_FILE = "trainer_ext_events.jsonl"
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bounds import MAX_MARKS, MAX_PANELS, MAX_POINTS, left_out, literal, spread, thin
-from .run import RunData
+from trainer_ext.report.bounds import MAX_MARKS, MAX_PANELS, MAX_POINTS, left_out, literal, spread, thin
+from trainer_ext.report.run import RunData
 
 DPI = 100
 WIDE = (9.0, 4.2)

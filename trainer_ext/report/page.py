@@ -8,11 +8,11 @@ import html
 from pathlib import Path
 from typing import TypeVar
 
-from .bounds import MAX_ROWS
-from .bounds import left_out as left_out_note
-from .figures import Figure
-from .run import RunData
-from .summary import duration, summary_rows
+from trainer_ext.report.bounds import MAX_ROWS
+from trainer_ext.report.bounds import left_out as left_out_note
+from trainer_ext.report.figures import Figure
+from trainer_ext.report.run import RunData
+from trainer_ext.report.summary import duration, summary_rows
 
 T = TypeVar("T")
 

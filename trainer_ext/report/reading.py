@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..config_files import NotRegularFile, TooLarge, read_regular
-from ..errors import ConfigError
+from trainer_ext.config_files import NotRegularFile, TooLarge, read_regular
+from trainer_ext.errors import ConfigError
 
 MiB = 1 << 20
 # the bounds on what is read: the trainer state and the event log grow with the run; the others are a few lines

@@ -14,12 +14,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..checkpointing import marker as markers
-from ..checkpointing.listing import sorted_checkpoints
-from ..errors import ConfigError
-from .clean import clean_job, clean_results, clean_state, finite
-from .events import EVENTS_FILE, process_alive, read_events, seconds_since
-from .reading import STATE_MAX_BYTES, Unreadable, is_dir, optional_object, parse_json, read_bytes, read_json
+from trainer_ext.checkpointing import marker as markers
+from trainer_ext.checkpointing.listing import sorted_checkpoints
+from trainer_ext.errors import ConfigError
+from trainer_ext.report.clean import clean_job, clean_results, clean_state, finite
+from trainer_ext.report.events import EVENTS_FILE, process_alive, read_events, seconds_since
+from trainer_ext.report.reading import (
+    STATE_MAX_BYTES,
+    Unreadable,
+    is_dir,
+    optional_object,
+    parse_json,
+    read_bytes,
+    read_json,
+)
 
 STATE_FILE = "trainer_state.json"
 JOB_FILE = "trainer_ext_run.json"

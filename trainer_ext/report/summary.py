@@ -8,12 +8,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..checkpointing import marker as markers
-from ..checkpointing.verification import check_safetensors
-from ..values import FALSE_WORDS, TRUE_WORDS
-from .bounds import MAX_METRICS
-from .reading import Unreadable, optional_object, read_json
-from .run import EVAL_SPEED, RunData, _finite
+from trainer_ext.checkpointing import marker as markers
+from trainer_ext.checkpointing.verification import check_safetensors
+from trainer_ext.report.bounds import MAX_METRICS
+from trainer_ext.report.reading import Unreadable, optional_object, read_json
+from trainer_ext.report.run import EVAL_SPEED, RunData, _finite
+from trainer_ext.values import FALSE_WORDS, TRUE_WORDS
 
 # metrics where higher is better; any other is taken as lower-is-better (losses, perplexity)
 HIGHER_IS_BETTER = ("accuracy", "f1", "precision", "recall", "matthews", "bleu", "rouge", "exact_match", "auc")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import figures
-from .bounds import MAX_POINTS, MAX_SESSIONS, left_out, literal, thin
-from .figures import Figure, _legend, _new, colour, points, whole_ticks
-from .run import RunData
+from trainer_ext.report import figures
+from trainer_ext.report.bounds import MAX_POINTS, MAX_SESSIONS, left_out, literal, thin
+from trainer_ext.report.figures import Figure, _legend, _new, colour, points, whole_ticks
+from trainer_ext.report.run import RunData
 
 
 def _session_points(run: RunData) -> list[list[tuple[float, int]]]:

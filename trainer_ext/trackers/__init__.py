@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..errors import ConfigError, did_you_mean
-from .base import Tracker
-from .blank import BlankTracker
-from .mlflow import MLflowTracker
-from .tensorboard import TensorBoardTracker
-from .trackio import TrackioTracker
-from .wandb import WandBTracker
+from trainer_ext.errors import ConfigError, did_you_mean
+from trainer_ext.trackers.base import Tracker
+from trainer_ext.trackers.blank import BlankTracker
+from trainer_ext.trackers.mlflow import MLflowTracker
+from trainer_ext.trackers.tensorboard import TensorBoardTracker
+from trainer_ext.trackers.trackio import TrackioTracker
+from trainer_ext.trackers.wandb import WandBTracker
 
 TRACKERS: dict[str, type[Tracker]] = {
     cls.name: cls for cls in (TensorBoardTracker, WandBTracker, MLflowTracker, TrackioTracker)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ..errors import ConfigError
+from trainer_ext.errors import ConfigError
 
 
 class Tracker:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Tracker
+from trainer_ext.trackers.base import Tracker
 
 
 class _Nothing:

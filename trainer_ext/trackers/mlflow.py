@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import Tracker, scalars
+from trainer_ext.trackers.base import Tracker, scalars
 
 
 class MLflowTracker(Tracker):

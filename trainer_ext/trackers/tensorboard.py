@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from .base import Tracker, scalars
+from trainer_ext.trackers.base import Tracker, scalars
 
 
 class TensorBoardTracker(Tracker):

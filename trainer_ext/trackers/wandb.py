@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Tracker
+from trainer_ext.trackers.base import Tracker
 
 
 class WandBTracker(Tracker):

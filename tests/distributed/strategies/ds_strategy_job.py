@@ -24,14 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.helpers.paths import CONFIGS
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext.distributed import DistState
-from trainer_ext.distributed.deepspeed_config import (
+from trainer_ext.distributed.strategies.deepspeed.config import (
     DeepSpeedInputs,
     finalize,
     load_deepspeed_config,
     model_hidden_size,
     resolve_auto,
 )
-from trainer_ext.distributed.strategies.deepspeed import DeepSpeedStrategy, check_complete
+from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy, check_complete
 
 PRESETS = CONFIGS / "deepspeed"
 STEPS, MICRO, ACCUM, WORLD = 6, 2, 2, 2

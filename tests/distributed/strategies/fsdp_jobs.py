@@ -291,7 +291,7 @@ def hybrid(out: Path) -> None:
 
     One machine here, so replicate_size (default: the number of machines) is set to 2 explicitly.
     """
-    from trainer_ext.distributed.fsdp_config import read_fsdp_config
+    from trainer_ext.distributed.strategies.fsdp.config import read_fsdp_config
 
     path = CONFIGS / "fsdp" / "hybrid_shard.yaml"
     preset = {**read_fsdp_config(path), "replicate_size": 2}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.paths import CONFIGS
-from trainer_ext.distributed.deepspeed_config import (
+from trainer_ext.distributed.strategies.deepspeed.config import (
     DeepSpeedConfig,
     DeepSpeedInputs,
     check_resolved,
@@ -414,7 +414,7 @@ print("after query", torch.distributed.is_initialized(), deepspeed.comm.is_initi
 
 # -- the strategy's parts that need no deepspeed ----------------------------------------------------
 def test_strategy_without_deepspeed_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer_ext.distributed.strategies.deepspeed as ds_strategy
+    import trainer_ext.distributed.strategies.deepspeed.strategy as ds_strategy
     from trainer_ext.distributed import DistState
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
@@ -427,14 +427,14 @@ def test_strategy_without_deepspeed_says_which_extra(monkeypatch: pytest.MonkeyP
 def test_importing_the_strategy_does_not_import_deepspeed() -> None:
     import subprocess
 
-    code = "import sys, trainer_ext.distributed.strategies.deepspeed; print('deepspeed' in sys.modules)"
+    code = "import sys, trainer_ext.distributed.strategies.deepspeed.strategy; print('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == "False"
 
 
 def test_strategy_refuses_unresolved_config_and_double_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer_ext.distributed import DistState
-    from trainer_ext.distributed.strategies.deepspeed import DeepSpeedStrategy
+    from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -448,7 +448,7 @@ def test_strategy_refuses_unresolved_config_and_double_optimizer(monkeypatch: py
 
 def test_consolidation_check_refuses_empty_and_partial_state_dicts() -> None:
     from tests.helpers.tiny import tiny_llama
-    from trainer_ext.distributed.strategies.deepspeed import ConsolidationError, check_complete
+    from trainer_ext.distributed.strategies.deepspeed.strategy import ConsolidationError, check_complete
 
     model = tiny_llama(0)
     full = model.state_dict()

@@ -23,7 +23,7 @@ from trainer_ext import (
     DummyScheduler,
     FullyShardedDataParallelPlugin,
 )
-from trainer_ext.distributed.deepspeed_config import DeepSpeedConfig
+from trainer_ext.distributed.strategies.deepspeed.config import DeepSpeedConfig
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 from tests.distributed.strategies import fsdp_jobs
 from tests.helpers.ranks import run_ranks
 from trainer_ext import ConfigError, FullyShardedDataParallelPlugin, TrainingArguments
-from trainer_ext.accelerator_setup import fsdp_settings
-from trainer_ext.distributed.fsdp_config import FSDPSettings
+from trainer_ext.accelerator.setup import fsdp_settings
+from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings
 from trainer_ext.env_vars import FSDP_CONFIG
 
 LAYERS = ["LlamaDecoderLayer"]

@@ -13,9 +13,9 @@ from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.cli.main import main
-from trainer_ext.distributed.fsdp_config import FSDPSettings, normalized_config, parse_fsdp
 from trainer_ext.distributed.state import DistState
-from trainer_ext.distributed.strategies.fsdp import (
+from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings, normalized_config, parse_fsdp
+from trainer_ext.distributed.strategies.fsdp.strategy import (
     FSDPStrategy,
     checkpoint_forward,
     layer_classes,

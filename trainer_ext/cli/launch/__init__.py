@@ -21,11 +21,11 @@ The modules import in one direction, each only from those below it:
 
 from __future__ import annotations
 
-from .command import prepare, run_launch
-from .options import build_parser, split_argv
-from .plan import Plan, build_plan, describe
-from .run import execute
-from .target import Target
+from trainer_ext.cli.launch.command import prepare, run_launch
+from trainer_ext.cli.launch.options import build_parser, split_argv
+from trainer_ext.cli.launch.plan import Plan, build_plan, describe
+from trainer_ext.cli.launch.run import execute
+from trainer_ext.cli.launch.target import Target
 
 __all__ = [
     "Plan",

@@ -10,14 +10,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ...errors import ConfigError
-from .config_file import find_config_file, read_config_file
-from .options import build_parser, given_options, split_argv
-from .plan import Plan, build_plan, describe
-from .ports import port_problems
-from .run import execute
-from .settings import Settings, resolve
-from .target import target_problems
+from trainer_ext.cli.launch.config_file import find_config_file, read_config_file
+from trainer_ext.cli.launch.options import build_parser, given_options, split_argv
+from trainer_ext.cli.launch.plan import Plan, build_plan, describe
+from trainer_ext.cli.launch.ports import port_problems
+from trainer_ext.cli.launch.run import execute
+from trainer_ext.cli.launch.settings import Settings, resolve
+from trainer_ext.cli.launch.target import target_problems
+from trainer_ext.errors import ConfigError
 
 
 def prepare(argv: Sequence[str], strategy: bool = True) -> tuple[Settings, Plan, bool]:

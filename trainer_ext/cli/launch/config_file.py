@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...config_files import load_mapping
-from ...env_vars import CONFIG_FILE
-from ...errors import ConfigError, did_you_mean
-from ...values import MIXED_PRECISION, is_true, parse_bool
+from trainer_ext.config_files import load_mapping
+from trainer_ext.env_vars import CONFIG_FILE
+from trainer_ext.errors import ConfigError, did_you_mean
+from trainer_ext.values import MIXED_PRECISION, is_true, parse_bool
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")

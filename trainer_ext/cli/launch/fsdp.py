@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...errors import ConfigError
-from .train_args import train_flags_set, train_sources
+from trainer_ext.cli.launch.handoff import train_flags_set, train_sources
+from trainer_ext.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .settings import Settings
-    from .target import Target
+    from trainer_ext.cli.launch.settings import Settings
+    from trainer_ext.cli.launch.target import Target
 
 # what a None value of an FSDPSettings field means, for the dry run
 _UNSET = {
@@ -57,8 +57,8 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
     One ConfigError naming ``source`` and every problem: the processes FSDP cannot run on, each unknown key or
     bad value of the config, ``NO_SHARD``.
     """
-    from ...distributed.fsdp_config import read_fsdp_config, read_fsdp_settings
-    from ...distributed.rules import check_world
+    from trainer_ext.distributed.rules import check_world
+    from trainer_ext.distributed.strategies.fsdp.config import read_fsdp_config, read_fsdp_settings
 
     problems: list[str] = []
 
@@ -81,8 +81,8 @@ def check_fsdp(fsdp: Any, config: str | dict | None, world_size: int, source: st
 
 def preview_fsdp(s: Settings, user_args: Sequence[str], train_args: Sequence[str]) -> FSDPPreview | None:
     """The FSDP settings ``train_args`` give ``train`` on ``s.world_size`` processes; None without ``--fsdp``."""
-    from ...distributed.fsdp_config import fsdp_requested
-    from ...flags import parse_train_values
+    from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested
+    from trainer_ext.job.flags import parse_train_values
 
     if not {"fsdp", "fsdp_config"} & train_flags_set(train_args):
         return None
@@ -113,7 +113,7 @@ def runs_fsdp(target: Target, preview: FSDPPreview | None) -> bool:
     """Whether the launched job trains under FSDP: ``train`` with FSDP settings, a script or module given the
     launch's (``preview``), or one given an ``--fsdp`` value among its own arguments (transformers' flag, as
     HfArgumentParser scripts take it)."""
-    from ...distributed.fsdp_config import fsdp_requested
+    from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested
 
     if preview is not None:
         return True

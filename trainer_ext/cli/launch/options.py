@@ -10,9 +10,9 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import ConfigError, did_you_mean
-from .config_file import MIXED_PRECISION, RDZV_BACKENDS, one_of
-from .target import USAGE, Target
+from trainer_ext.cli.launch.config_file import MIXED_PRECISION, RDZV_BACKENDS, one_of
+from trainer_ext.cli.launch.target import USAGE, Target
+from trainer_ext.errors import ConfigError, did_you_mean
 
 
 class _Parser(argparse.ArgumentParser):

@@ -13,11 +13,17 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from ... import cpu_threads, env_vars
-from .fsdp import FSDPPreview, preview_fsdp, runs_fsdp, script_fsdp
-from .settings import Settings, loopback_rendezvous
-from .target import Target
-from .train_args import DeepSpeedPreview, preview_deepspeed, translate_for_script, translate_for_train
+from trainer_ext import env_vars
+from trainer_ext.cli.launch.fsdp import FSDPPreview, preview_fsdp, runs_fsdp, script_fsdp
+from trainer_ext.cli.launch.handoff import (
+    DeepSpeedPreview,
+    preview_deepspeed,
+    translate_for_script,
+    translate_for_train,
+)
+from trainer_ext.cli.launch.settings import Settings, loopback_rendezvous
+from trainer_ext.cli.launch.target import Target
+from trainer_ext.distributed import cpu_threads
 
 RDZV_ID = "trainer_ext"
 
@@ -54,7 +60,7 @@ def rendezvous_args(s: Settings) -> list[str]:
 
 def _thread_env(s: Settings) -> dict[str, str]:
     """OMP_NUM_THREADS (and on CPU the OpenMP wait policy) of each process, where the user set none: CPU processes
-    share the idle cores (``trainer_ext.cpu_threads``); a GPU process gets 1, as under torchrun and accelerate."""
+    share the idle cores (``trainer_ext.distributed.cpu_threads``); a GPU process gets 1, as under torchrun and accelerate."""
     given = s["num_cpu_threads_per_process"]
     env: dict[str, str] = {}
     if given:

@@ -6,7 +6,7 @@ import errno
 import ipaddress
 import socket
 
-from .settings import Settings
+from trainer_ext.cli.launch.settings import Settings
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ... import env_vars
+from trainer_ext import env_vars
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from trainer_ext.cli.launch.plan import Plan
 
 
 def execute(plan: Plan) -> int:

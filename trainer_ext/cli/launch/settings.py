@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_file import MAX_PROCESSES_PER_MACHINE, PLAIN_KEYS, ConfigFile, whole_number
+from trainer_ext.cli.launch.config_file import MAX_PROCESSES_PER_MACHINE, PLAIN_KEYS, ConfigFile, whole_number
 
 DEFAULT = "default"
 DEFAULTS: dict[str, Any] = {

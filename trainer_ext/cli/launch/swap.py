@@ -15,7 +15,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from .target import Target, target_problems
+from trainer_ext.cli.launch.target import Target, target_problems
 
 USAGE = "python -m trainer_ext.cli.launch.swap (SCRIPT.py | -m MODULE) [args...]"
 # the folder holding the trainer_ext package: kept on sys.path where trainer_ext is not installed
@@ -28,8 +28,8 @@ def swap_in() -> None:
     import transformers.trainer
     import transformers.training_args
 
-    from ...trainer import Trainer
-    from ...training_args import TrainingArguments
+    from trainer_ext.trainer.trainer import Trainer
+    from trainer_ext.trainer.training_args import TrainingArguments
 
     for module in (transformers, transformers.trainer):
         module.Trainer = Trainer

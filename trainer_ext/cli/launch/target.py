@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from ...errors import did_you_mean
+from trainer_ext.errors import did_you_mean
 
 USAGE = "trainer-ext launch [options] (SCRIPT.py | -m MODULE | train) [args...]"
 SWAP_MODULE = "trainer_ext.cli.launch.swap"  # runs a script with transformers' Trainer classes swapped for ours

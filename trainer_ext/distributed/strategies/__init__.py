@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...errors import ConfigError, did_you_mean
-from ..state import DistState
-from .base import Strategy
-from .ddp import DDPStrategy
-from .deepspeed import DeepSpeedStrategy
-from .fsdp import FSDPStrategy
-from .single import SingleDeviceStrategy
+from trainer_ext.distributed.state import DistState
+from trainer_ext.distributed.strategies.base import Strategy
+from trainer_ext.distributed.strategies.ddp import DDPStrategy
+from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy
+from trainer_ext.distributed.strategies.fsdp.strategy import FSDPStrategy
+from trainer_ext.distributed.strategies.single import SingleDeviceStrategy
+from trainer_ext.errors import ConfigError, did_you_mean
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,

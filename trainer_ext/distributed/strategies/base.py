@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
-from ...saving import has_adapters, save_adapter, save_model
-from ..deepspeed_plugin import DummyOptim, DummyScheduler
-from ..state import DistributedType, DistState
+from trainer_ext.checkpointing.saving import has_adapters, save_adapter, save_model
+from trainer_ext.distributed.state import DistributedType, DistState
+from trainer_ext.distributed.strategies.deepspeed.plugin import DummyOptim, DummyScheduler
+from trainer_ext.errors import ConfigError
 
 
 class Strategy:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Strategy
+from trainer_ext.distributed.strategies.base import Strategy
 
 
 class DDPStrategy(Strategy):

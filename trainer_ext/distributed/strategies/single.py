@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Strategy
+from trainer_ext.distributed.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):

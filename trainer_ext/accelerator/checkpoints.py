@@ -1,0 +1,345 @@
+"""The ``Accelerator``'s models on disk: unwrap, state dicts, ``save``/``save_model``, ``save_state``/``load_state``.
+
+``save_state`` writes through :mod:`trainer_ext.checkpointing.loop_state` (every rank's share, a commit marker
+last); accelerate's project settings choose the folder (``automatic_checkpoint_naming``, ``total_limit``) and its
+pre-hooks see the models before anything is written or read. ``load_state`` also reads a folder written by
+accelerate's own ``save_state`` (:mod:`trainer_ext.checkpointing.accelerate_format`), so a job started under
+accelerate continues after its import is switched. Both log accelerate's INFO lines, in its words.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from trainer_ext.accelerator.loop_helpers import get_logger
+from trainer_ext.checkpointing import accelerate_format, links
+from trainer_ext.checkpointing import loop_state as checkpoint
+from trainer_ext.checkpointing.marker import COMPLETE
+from trainer_ext.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+progress = get_logger(__name__)  # accelerate's progress lines: INFO, "[RANK 0] ", the main process only
+_NUMBERED = re.compile(r"checkpoint_(\d+)")
+
+
+def numbered_folders(root: Path) -> list[tuple[int, Path]]:
+    """The ``checkpoint_<n>`` folders automatic checkpoint naming wrote under ``root``, with their numbers."""
+    found = (_NUMBERED.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
+    return [(int(match.group(1)), root / match.group(0)) for match in found if match]
+
+
+def _saved_at(folder: Path) -> int:
+    """When a checkpoint was committed: its marker's time (ours), else its newest file's (accelerate's)."""
+    if (folder / COMPLETE).is_file():
+        return (folder / COMPLETE).stat().st_mtime_ns
+    if not folder.is_dir():  # ours, interrupted while replacing it: its complete copy is beside it
+        copies = (folder.with_name(f".{folder.name}{end}") / COMPLETE for end in (".saving", ".replaced"))
+        return max((marker.stat().st_mtime_ns for marker in copies if marker.is_file()), default=0)
+    return max((entry.stat().st_mtime_ns for entry in folder.iterdir() if entry.is_file()), default=0)
+
+
+def latest_checkpoint(root: Path) -> Path:
+    """The checkpoint ``load_state()`` resumes under ``root``: the newest complete one of ours, or accelerate's
+    highest ``checkpoint_<n>`` (its rule) when that one is newer (a job started under accelerate)."""
+    found = numbered_folders(root) if root.is_dir() else []
+    theirs = [pair for pair in found if accelerate_format.is_accelerate_checkpoint(pair[1])]
+    if not theirs:
+        return checkpoint.latest_state(root)
+    newest = max(theirs)[1]
+    try:
+        ours = checkpoint.latest_state(root)
+    except ConfigError:
+        return newest
+    mine, other = _NUMBERED.fullmatch(ours.name), _NUMBERED.fullmatch(newest.name)
+    if mine is not None and other is not None:
+        return ours if int(mine.group(1)) > int(other.group(1)) else newest
+    return ours if _saved_at(ours) >= _saved_at(newest) else newest
+
+
+class CheckpointsMixin:
+    """Saving and loading models and training state from a hand-written loop."""
+
+    engine: Any
+    state: Any
+    scaler: Any
+    step: int
+    num_processes: int
+    is_main_process: bool
+    is_local_main_process: bool
+    project_dir: str | None
+    project_configuration: Any
+    _schedulers: list[Any]
+    _custom: list[Any]
+    _save_state_pre_hooks: dict[int, Any]
+    _load_state_pre_hooks: dict[int, Any]
+
+    def wait_for_everyone(self) -> None:  # provided by ProcessesMixin
+        raise NotImplementedError
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
+        inner = self.engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+        if not keep_fp32_wrapper:
+            base = self.engine.unwrap_model(inner, keep_torch_compile=False)
+            if "_original_forward" in base.__dict__:
+                base.forward = base.__dict__.pop("_original_forward")
+                base.__dict__.pop("_trainer_ext_autocast", None)
+        return inner
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        return self.engine.get_state_dict(model, unwrap=unwrap)
+
+    def _writes_saves(self) -> bool:
+        """Whether this process writes ``save``/``save_model`` files: the main process, or with
+        ``ProjectConfiguration(save_on_each_node=True)`` each node's local main process (accelerate's rule)."""
+        if self.project_configuration.save_on_each_node:
+            return bool(self.is_local_main_process)
+        return bool(self.is_main_process)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save ``obj`` from the main process only (each node's, under ``save_on_each_node``): ``torch.save``, or
+        safetensors for a dict of tensors."""
+        if not self._writes_saves():
+            return
+        if not safe_serialization:
+            torch.save(obj, f)
+            return
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise ConfigError(
+                f"save(safe_serialization=True) writes a dict of tensors, got {type(obj).__name__}; pass a state "
+                "dict, or safe_serialization=False for other objects (torch.save)"
+            )
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: str | int = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process (each
+        node's with ``save_on_each_node``).
+
+        All ranks call it; a sharded model is gathered by its strategy (FSDP: one tensor at a time, never whole on
+        one rank; DeepSpeed ZeRO-3: gathered and checked complete).
+        """
+        if not safe_serialization:  # transformers 5 dropped pickled weights from save_pretrained as well
+            raise ConfigError(
+                "save_model(safe_serialization=False) is not supported: models are written as safetensors only "
+                "(from_pretrained and safetensors.torch.load_file read them); drop the argument, or use "
+                "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
+            )
+
+        unwrapped = self.unwrap_model(model, keep_torch_compile=False)
+        self.engine.export_model(unwrapped, save_directory, max_shard_size, writer=self._writes_saves())
+        self.wait_for_everyone()
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"{type(obj).__name__} has no state_dict/load_state_dict; it cannot be checkpointed")
+            self._custom.append(obj)
+
+    def _checkpoint_objects(self) -> dict[str, Any]:
+        return {
+            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
+            "optimizers": [o.optimizer for o in self.engine.prepared_optimizers],
+            "schedulers": [s.scheduler for s in self._schedulers],
+            "dataloaders": self.engine.prepared_dataloaders,
+            "scaler": self.scaler,
+            "custom": self._custom,
+            "strategy": self.engine.strategy,
+        }
+
+    def _checkpoints_root(self, call: str) -> Path:
+        if self.project_dir is None:
+            raise ConfigError(
+                f"{call} needs a directory, or project_dir=... (or project_config=ProjectConfiguration(...)) set on "
+                "the Accelerator"
+            )
+        return Path(self.project_dir) / "checkpoints"
+
+    def _automatic_folder(self) -> tuple[Path, list[Path]]:
+        """``project_dir/checkpoints/checkpoint_<iteration>``, and the oldest folders beyond ``total_limit`` that
+        accelerate deletes for it: deleted here only once the new checkpoint is committed (:meth:`_rotate`)."""
+        root = self._checkpoints_root("save_state() with automatic_checkpoint_naming")
+        config = self.project_configuration
+        if self.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+        self.wait_for_everyone()  # every process looks at the folder after the main one made it
+        saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
+        extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
+        doomed = [folder for _, folder in saved[: max(extra, 0)]]
+        folder = root / f"checkpoint_{config.iteration}"
+        if folder.exists() and folder not in doomed:
+            raise ConfigError(
+                f"Checkpoint directory {folder} ({config.iteration}) already exists. Please manually override "
+                "`self.save_iteration` with what iteration to start with."
+            )
+        self.wait_for_everyone()
+        return folder, doomed
+
+    def _rotate(self, doomed: list[Path], kept: Path, aside: Path | None) -> None:
+        """After a committed save: delete the folders accelerate's rotation deletes (a link: the link itself)."""
+        if self.is_main_process and doomed:
+            logger.warning("Deleting %d checkpoints to make room for new checkpoint.", len(doomed))
+            for folder in [*doomed, *([aside] if aside is not None else [])]:
+                if folder != kept:  # the new checkpoint took this one's place
+                    links.remove_entry(folder)
+        self.wait_for_everyone()  # no process lists the checkpoints while they are being deleted
+
+    def _set_aside(self, folder: Path) -> Path | None:
+        """A doomed ``folder`` about to be reused that is not one of ours (accelerate's): renamed aside, so that a
+        failed save can put it back; None when there is nothing to set aside."""
+        aside = folder.with_name(f".{folder.name}.rotated")
+        if not folder.is_dir() or folder.is_symlink() or (folder / COMPLETE).is_file():
+            return None  # absent, a link (refused by the save) or ours (replaced by the save's own swap)
+        links.refuse_link(aside, "the checkpoint set aside")
+        if self.is_main_process:
+            os.replace(folder, aside)
+        self.wait_for_everyone()
+        return aside
+
+    def _hidden_from_hooks(self, model: torch.nn.Module) -> bool:
+        strategy = self.engine.strategy
+        return bool(strategy.own_checkpoint_format or strategy.shards_model(model))
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry
+        of ``weights`` (the models' state dicts) leaves that model to the hook (it may write it into
+        ``output_dir`` itself). Returns a handle whose ``remove()`` unregisters it."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read; removing a model from
+        ``models`` leaves its loading to the hook."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_: Any
+    ) -> str:
+        """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions, registered
+        objects; committed by a ``COMPLETE`` marker written last.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints/checkpoint_<i>``,
+        keeping ``total_limit``. Without a folder otherwise: ``project_dir/checkpoints/checkpoint``.
+        """
+        if not safe_serialization and not getattr(self, "_warned_pickled_state", False):
+            self._warned_pickled_state = True  # accelerate's scripts pass it; the folder is ours either way
+            logger.warning(
+                "save_state(safe_serialization=False): weights are written as safetensors all the same (load_state "
+                "reads them; pickled weights are not written)"
+            )
+        doomed: list[Path] = []
+        if self.project_configuration.automatic_checkpoint_naming:
+            output_dir, doomed = self._automatic_folder()
+        elif output_dir is None:
+            output_dir = self._checkpoints_root("save_state()") / "checkpoint"
+        objects = self._checkpoint_objects()
+        hooks = list(self._save_state_pre_hooks.values())
+        progress.info(f"Saving current state to {output_dir}")
+
+        def before_write(folder: Path) -> None:  # hooks see the folder being written (it becomes output_dir)
+            if not hooks:
+                return
+            models = objects["models"]
+            # accelerate hands the hooks the state dicts it is about to write: none for models it does not write
+            # whole (sharded over ranks, or in the backend's own checkpoint)
+            whole = [model for model in models if not self._hidden_from_hooks(model)]
+            originals = [model.state_dict() for model in whole]
+            weights = list(originals)
+            for hook in hooks:
+                hook(models, weights, str(folder))
+            dropped = [m for m, w in zip(whole, originals, strict=True) if not any(w is kept for kept in weights)]
+            models[:] = [m for m in models if not any(m is d for d in dropped)]
+
+        aside = self._set_aside(Path(output_dir)) if Path(output_dir) in doomed else None
+        try:
+            path = checkpoint.save_state(
+                output_dir,
+                self.state,
+                **objects,
+                extra={"step": self.step, "processes": self.num_processes},
+                before_write=before_write,
+            )
+        except BaseException:
+            if aside is not None and self.is_main_process and not Path(output_dir).exists():
+                os.replace(aside, output_dir)  # the save failed: the folder it was to replace is back
+            raise
+        # rotation only now, with the new checkpoint committed: a failed save leaves the previous ones loadable
+        self._rotate(doomed, path, aside)
+        if self.is_main_process:
+            dataloaders, scaler = len(objects["dataloaders"]), self.scaler is not None
+            for line in accelerate_format.saved_lines(path, dataloaders, objects["custom"], scaler):
+                progress.info(line)
+        self.project_configuration.iteration += 1
+        return str(path)
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **_: Any
+    ) -> None:
+        """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order, including
+        each loader's position (so the next pass continues where the saved one stopped; calling
+        ``skip_first_batches`` for the resumed epoch as well, as accelerate's examples do, skips once, not twice).
+
+        A folder written by accelerate's ``save_state`` is restored as accelerate restores it (the loaders keep
+        their position: ``skip_first_batches`` skips what was seen). Without ``input_dir``: the newest checkpoint
+        under ``project_dir/checkpoints``. Loading ``checkpoints/checkpoint_<n>`` under automatic checkpoint naming
+        makes the next automatic save ``checkpoint_<n+1>`` (unless ``iteration`` is already past it).
+        """
+        if input_dir is not None:
+            input_dir = os.path.expanduser(input_dir)
+        else:
+            input_dir = latest_checkpoint(self._checkpoints_root("load_state()"))
+        objects = self._checkpoint_objects()
+        if self._load_state_pre_hooks:  # hooks see the models loaded from whole files, as in accelerate
+            visible = [m for m in objects["models"] if not self._hidden_from_hooks(m)]
+            shown = list(visible)
+            for hook in self._load_state_pre_hooks.values():
+                hook(visible, str(input_dir))
+            taken = [m for m in shown if not any(m is kept for kept in visible)]
+            objects["models"][:] = [m for m in objects["models"] if not any(m is t for t in taken)]
+        if accelerate_format.is_accelerate_checkpoint(input_dir):
+            found = accelerate_format.load_accelerate_state(input_dir, self.state, **objects)
+            if found["step"] is not None:  # accelerate's step counter, as its load_state sets it
+                self.step = found["step"]
+            scaler, random_states = found["scaler"], found["random"]
+        else:
+            extra = checkpoint.load_state(input_dir, self.state, **objects)
+            # the accumulation count is in micro-batches of this process: on another number of processes, the same
+            # share of the epoch (the loaders translate their positions the same way)
+            processes = int(extra.get("processes", self.num_processes))
+            self.step = int(extra.get("step", 0)) * processes // self.num_processes
+            scaler, random_states = self.scaler is not None, True
+        if self.is_main_process:  # accelerate's lines, said once the folder is loaded (after the loader's own)
+            progress.info(f"Loading states from {input_dir}")
+            for line in accelerate_format.loaded_lines(input_dir, objects["custom"], scaler, random_states):
+                progress.info(line)
+        self._continue_numbering(Path(input_dir))
+
+    def _continue_numbering(self, folder: Path) -> None:
+        """After loading ``project_dir/checkpoints/checkpoint_<n>`` under automatic naming, the next save is
+        ``checkpoint_<n+1>``: accelerate leaves ``iteration`` as it was, so its next save collides or reuses a lower
+        number (a ``total_limit`` rotation would then delete the newest checkpoints first)."""
+        config = self.project_configuration
+        match = _NUMBERED.fullmatch(folder.name)
+        if not (config.automatic_checkpoint_naming and self.project_dir is not None and match):
+            return
+        if folder.parent.resolve() == self._checkpoints_root("load_state()").resolve():
+            config.iteration = max(config.iteration, int(match.group(1)) + 1)

@@ -1,0 +1,1 @@
+"""Dataloaders across processes: sharded samplers and batches, dispatching, iterable datasets, resumable positions."""
