@@ -11,8 +11,7 @@ import torch
 
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator
-from trainer_ext.checkpointing import COMPLETE
-from trainer_ext.checkpointing import loop_state as checkpoint
+from trainer_ext.checkpointing import COMPLETE, commit
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,8 +134,8 @@ def test_the_files_are_on_disk_before_the_marker(tmp_path: Path, monkeypatch) ->
         assert not unsynced, f"not fsynced before the marker: {unsynced}"
         return real_write(directory, **kwargs)
 
-    real_write = checkpoint.write_marker
+    real_write = commit.write_marker
     monkeypatch.setattr(os, "fsync", record)
-    monkeypatch.setattr(checkpoint, "write_marker", check_then_write)
+    monkeypatch.setattr(commit, "write_marker", check_then_write)
     folder = Path(accelerator.save_state(tmp_path / "state"))
     assert (folder / COMPLETE).is_file()

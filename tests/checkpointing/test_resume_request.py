@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_ext.checkpointing.resume import AUTO, resume_request
+from trainer_ext.checkpointing.selection import AUTO, resume_request
 from trainer_ext.values import FALSE_WORDS, TRUE_WORDS, parse_bool
 
 

@@ -1,4 +1,4 @@
-"""The checkpoints of an output folder: listed by step, the newest complete one, and safe rotation."""
+"""The checkpoints of an output folder: listed by step, and safe rotation (which one a resume picks: .selection)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from trainer_ext.checkpointing.marker import (
-    SAVING,
-    TRAINER_STATE,
-    CheckpointError,
-    has_marker,
-    is_complete,
-    remove_marker,
-)
-from trainer_ext.checkpointing.verification import verify
+from trainer_ext.checkpointing.marker import SAVING, TRAINER_STATE, has_marker, is_complete, remove_marker
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -27,22 +19,6 @@ def sorted_checkpoints(directory: str | os.PathLike) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return [p for _, p in sorted(found)]
-
-
-def newest_complete(directory: str | os.PathLike, kind: str | None = None) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and one line per newer checkpoint skipped and why."""
-    skipped: list[str] = []
-    for path in reversed(sorted_checkpoints(directory)):
-        try:
-            verify(path, kind=kind)
-        except CheckpointError as error:
-            skipped.append(f"{path.name}: {error}")
-            continue
-        except Exception as error:  # malformed beyond what the checks foresee: still not one to resume from
-            skipped.append(f"{path.name}: cannot be checked ({type(error).__name__}: {error})")
-            continue
-        return path, skipped
-    return None, skipped
 
 
 def rotate(directory: str | os.PathLike, limit: int | None, *, best: str | os.PathLike | None = None) -> list[Path]:

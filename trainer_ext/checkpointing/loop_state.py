@@ -1,10 +1,10 @@
 """Whole-state checkpoints for hand-written loops: models, optimizers, schedulers, scaler, RNG, loaders.
 
-Every rank calls ``save_state``/``load_state``. A save goes into a fresh sibling folder: the main process
-writes the shared files, each rank its own RNG and dataloader position; the files are fsynced, a ``COMPLETE``
-marker (sizes, checksums) is written last, and only then does the folder take the place of the previous
-checkpoint, which is removed after. A save that fails leaves the previous checkpoint as it was.
-``load_state`` verifies a checkpoint as the Trainer's resume does (every rank, all agreeing) before loading.
+Every rank calls ``save_state``/``load_state``. A save is committed by :func:`.commit.commit`, staged: it goes
+into a fresh sibling folder (the main process writes the shared files, each rank its own RNG and dataloader
+position) that takes the place of the previous checkpoint once its marker is written, so a save that fails leaves
+the previous checkpoint as it was. ``load_state`` verifies a checkpoint as the Trainer's resume does (every rank,
+all agreeing) before loading; :func:`.selection.newest_state` picks the one ``load_state()`` resumes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import os
 import pickle
 import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,32 +24,17 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
-from trainer_ext.checkpointing.durable import flush_tree, fsync_dir
+from trainer_ext.checkpointing.commit import commit, set_aside, staging
 from trainer_ext.checkpointing.links import refuse_link, refuse_links_under
-from trainer_ext.checkpointing.marker import (
-    COMPLETE,
-    LOOP,
-    CheckpointError,
-    is_complete,
-    read_marker,
-    remove_marker,
-    write_marker,
-)
+from trainer_ext.checkpointing.marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker
 from trainer_ext.checkpointing.saving import tied_groups, unique_state_dict
-from trainer_ext.checkpointing.together import agreed, own_checksums, verify_together
+from trainer_ext.checkpointing.selection import newest_state
+from trainer_ext.checkpointing.together import verify_together
 from trainer_ext.checkpointing.verification import seal_hint
 from trainer_ext.errors import ConfigError
 
-__all__ = ["COMPLETE", "load_state", "save_state"]
+__all__ = ["COMPLETE", "latest_state", "load_state", "save_state"]
 logger = logging.getLogger(__name__)
-
-
-def _staging(final: Path) -> Path:
-    return final.parent / f".{final.name}.saving"
-
-
-def _replaced(final: Path) -> Path:
-    return final.parent / f".{final.name}.replaced"
 
 
 def _check_replaceable(final: Path) -> None:
@@ -79,39 +63,12 @@ def _refuse_links(final: Path) -> None:
     replaced is a symbolic link: a save never writes, renames into or deletes through a link."""
     for folder, what in (
         (final, "the save_state folder"),
-        (_staging(final), "a save_state staging folder"),
-        (_replaced(final), "a save_state folder set aside"),
+        (staging(final), "a save_state staging folder"),
+        (set_aside(final), "a save_state folder set aside"),
     ):
         refuse_link(folder, what)
         if folder.is_dir():  # reused, or a crash's leftover that may be moved into its place
             refuse_links_under(folder, what)
-
-
-def _recover(final: Path) -> None:
-    """Finish a swap that a crash interrupted (main process, before a save): the newest complete folder wins."""
-    staging, replaced = _staging(final), _replaced(final)
-    if not final.exists():
-        for candidate in (staging, replaced):
-            if is_complete(candidate):
-                os.replace(candidate, final)
-                fsync_dir(final.parent)
-                break
-    for leftover in (staging, replaced):
-        if leftover.exists():
-            remove_marker(leftover)
-            shutil.rmtree(leftover)
-
-
-def _swap_in(staging: Path, final: Path) -> None:
-    """Put the committed ``staging`` folder in the place of ``final``; the previous one goes only after."""
-    replaced = _replaced(final)
-    if final.exists():
-        os.replace(final, replaced)
-    os.replace(staging, final)
-    fsync_dir(final.parent)
-    if replaced.exists():
-        remove_marker(replaced)
-        shutil.rmtree(replaced)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -171,17 +128,12 @@ def save_state(
     (it becomes ``directory`` at the commit); it may shorten ``models`` (its files are then its own).
     """
     final = Path(directory)
-    _refuse_links(final)  # every rank decides alike (the same files): none goes on alone
-    _check_replaceable(final)
-    out = _staging(final)
 
-    def stage() -> None:
-        if state.is_main_process:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            _recover(final)
-            out.mkdir()
+    def check() -> None:  # every rank decides alike (the same files)
+        _refuse_links(final)
+        _check_replaceable(final)
 
-    def write() -> None:
+    def write(out: Path) -> None:
         if before_write is not None:
             before_write(out)
         whole = (models, optimizers)
@@ -194,18 +146,17 @@ def save_state(
             "dataloaders": [dl.state_dict() if hasattr(dl, "state_dict") else None for dl in dataloaders],
         }
         torch.save(per_rank, out / _rank_file(state.process_index))
-        flush_tree(out)  # the data reaches the disk before the marker can
 
-    def commit() -> None:
-        crcs = own_checksums(out)  # collective: every rank checksums its own files
-        if state.is_main_process:
-            write_marker(out, world_size=state.num_processes, crcs=crcs, kind=LOOP)
-            _swap_in(out, final)
-
-    _together(state, "preparing", stage)
-    _together(state, "writing", write)
-    _together(state, "committing", commit)
-    return final
+    return commit(
+        final,
+        write,
+        main=state.is_main_process,
+        marker={"world_size": state.num_processes, "kind": LOOP},
+        staged=True,
+        check=check,
+        describe=lambda error: f"rank {state.process_index}: {error!r}",
+        failed=lambda stage, lines: CheckpointError(f"save_state failed while {stage} the checkpoint on {lines}"),
+    )
 
 
 def _numbered(stem: str, index: int, suffix: str) -> str:
@@ -241,23 +192,11 @@ def _write_shared(
     (out / "state.json").write_text(json.dumps(extra, indent=1))
 
 
-def _together(state: Any, stage: str, work: Any) -> None:
-    """Run ``work`` on every rank, then agree: if it failed anywhere, every rank raises (none waits for a dead one).
-
-    The rank that failed re-raises its own error; the others raise a CheckpointError naming the ranks and errors.
-    """
-    agreed(
-        work,
-        lambda error: f"rank {state.process_index}: {error!r}",
-        lambda lines: CheckpointError(f"save_state failed while {stage} the checkpoint on {lines}"),
-    )
-
-
 def _complete(final: Path) -> Path:
     """``final``, or the complete folder a crash during the swap left beside it (saying so)."""
     if (final / COMPLETE).exists():
         return final
-    for candidate in (_staging(final), _replaced(final)):
+    for candidate in (staging(final), set_aside(final)):
         if (candidate / COMPLETE).exists():
             logger.warning(
                 "load_state: %s is missing or incomplete (a save was interrupted while replacing it); loading the "
@@ -460,17 +399,5 @@ def _is_tied(model: torch.nn.Module, name: str) -> bool:
 
 
 def latest_state(root: Path) -> Path:
-    """The ``save_state`` folder under ``root`` committed last (by its ``COMPLETE`` marker); a clear error if none."""
-    found = [d for d in root.iterdir() if (d / COMPLETE).is_file()] if root.is_dir() else []
-    if not found:
-        raise ConfigError(
-            f"load_state(): no complete checkpoint under {str(root)!r}; call save_state() first, or pass the "
-            "checkpoint directory"
-        )
-    newest = max(found, key=lambda d: ((d / COMPLETE).stat().st_mtime_ns, d.name))
-    # a save interrupted while swapping folders leaves ".NAME.saving" / ".NAME.replaced": load NAME, whose
-    # loader finds that complete copy and says so
-    for suffix in (".saving", ".replaced"):
-        if newest.name.startswith(".") and newest.name.endswith(suffix):
-            return newest.with_name(newest.name[1 : -len(suffix)])
-    return newest
+    """The ``save_state`` folder under ``root`` that ``load_state()`` resumes: :func:`.selection.newest_state`."""
+    return newest_state(root)

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from trainer_ext.checkpointing.durable import checksums, writer_rank
-from trainer_ext.checkpointing.listing import sorted_checkpoints
-from trainer_ext.checkpointing.marker import TRAINER, TRAINER_STATE, CheckpointError, has_marker
+from trainer_ext.checkpointing.marker import CheckpointError
 from trainer_ext.checkpointing.verification import verify
 
 
@@ -39,10 +38,17 @@ def _all(value: Any) -> list[Any]:
 T = TypeVar("T")
 
 
-def agreed(work: Callable[[], T], describe: Callable[[Exception], str], failed: Callable[[str], Exception]) -> T:
+def agreed(
+    work: Callable[[], T],
+    describe: Callable[[Exception], str],
+    failed: Callable[[str], Exception],
+    *,
+    alike: bool = False,
+) -> T:
     """``work()`` on every rank, then agree: when it failed anywhere every rank raises (none goes on, or waits for
     a dead one, alone). The rank that failed re-raises its own error; the others raise ``failed`` of the ranks'
-    ``describe``d errors, joined."""
+    ``describe``d errors, joined. With ``alike`` every rank, the failing ones too, raises ``failed`` of the first
+    failing rank's description: the same error everywhere, so that what the ranks decide from it cannot differ."""
     error: Exception | None = None
     result: Any = None
     try:
@@ -50,6 +56,8 @@ def agreed(work: Callable[[], T], describe: Callable[[Exception], str], failed: 
     except Exception as exc:  # reported to every rank below, then re-raised here
         error = exc
     failures = [line for lines in _all([describe(error)] if error is not None else []) for line in lines]
+    if alike and failures:
+        raise failed(failures[0])
     if error is not None:
         raise error
     if failures:
@@ -69,6 +77,13 @@ def own_checksums(folder: str | os.PathLike) -> dict[str, int]:
     return merged
 
 
+def _said(error: Exception) -> str:
+    """A verification's refusal as one line: its own words, or what kept the folder from being checked."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"cannot be checked ({type(error).__name__}: {' '.join(str(error).split())[:300]})"
+
+
 def verify_together(
     directory: str | os.PathLike,
     *,
@@ -78,46 +93,12 @@ def verify_together(
 ) -> dict[str, Any]:
     """``verification.verify`` with the checksums split by ``part`` (this rank's index among its node's); all agree.
 
-    CheckpointError on every rank when any rank found a problem.
+    CheckpointError on every rank, with the first problem found, when any rank found one (a folder unreadable or
+    malformed beyond what the checks foresee included: no rank may wait alone).
     """
-    try:
-        found, problem = verify(directory, require_marker=require_marker, part=part, kind=kind), None
-    except CheckpointError as error:
-        found, problem = {}, str(error)
-    except Exception as error:  # unreadable, or malformed beyond what the checks foresee: no rank may wait alone
-        found, problem = {}, f"cannot be checked ({type(error).__name__}: {' '.join(str(error).split())[:300]})"
-    problems = [p for p in _all(problem) if p is not None]
-    if problems:
-        raise CheckpointError(problems[0])
-    return found
-
-
-def newest_complete_together(
-    directory: str | os.PathLike, *, part: tuple[int, int] = (0, 1)
-) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint every rank verifies, and one line per newer one skipped and why (same on all ranks).
-
-    A directory in which no checkpoint has a marker was written without trainer_ext (plain transformers): there,
-    as transformers does, the newest finished checkpoint (one with ``trainer_state.json``) is taken, its files
-    still verified. Where markers exist, a folder without one is a save that did not finish.
-    """
-    found = sorted_checkpoints(directory)
-    candidates = [p.name for p in reversed(found)]
-    foreign = bool(found) and not any(has_marker(p) for p in found)
-    rank, world = _world()
-    if world > 1:  # rank 0's listing: every rank must walk the same candidates
-        box = [(candidates, foreign)]
-        dist.broadcast_object_list(box, src=0)
-        candidates, foreign = box[0]
-    skipped: list[str] = []
-    for name in candidates:
-        path = Path(directory) / name
-        try:
-            if foreign and not (path / TRAINER_STATE).is_file():
-                raise CheckpointError(f"no {TRAINER_STATE} (not a finished checkpoint)")
-            verify_together(path, require_marker=not foreign, part=part, kind=TRAINER)
-        except CheckpointError as error:
-            skipped.append(f"{name}: {error}")
-            continue
-        return path, skipped
-    return None, skipped
+    return agreed(
+        lambda: verify(directory, require_marker=require_marker, part=part, kind=kind),
+        _said,
+        CheckpointError,
+        alike=True,
+    )

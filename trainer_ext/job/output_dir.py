@@ -15,12 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import get_last_checkpoint
-
 from trainer_ext.checkpointing import disk_space
 from trainer_ext.checkpointing.links import links_under, open_no_follow, refuse_link, remove_entry
 from trainer_ext.checkpointing.listing import sorted_checkpoints
-from trainer_ext.checkpointing.resume import AUTO, resume_request
+from trainer_ext.checkpointing.selection import newest_complete, requested_checkpoint
 from trainer_ext.errors import ConfigError
 from trainer_ext.job import run_lock
 from trainer_ext.job.arguments import TrainJobArguments
@@ -104,16 +102,7 @@ def resume_target(args: TrainJobArguments) -> bool | str | None:
     "auto" resumes from the newest complete checkpoint when there is one and starts fresh otherwise: the
     same command works for the first start and for every restart or requeue.
     """
-    value = resume_request(args.resume_from_checkpoint)
-    if value is None or value is True or value == AUTO:
-        return value
-    if not os.path.isdir(value):
-        raise ConfigError(
-            f"--resume_from_checkpoint {value!r}: no such checkpoint directory. Pass a checkpoint-N "
-            "folder, 'true' for the newest complete checkpoint in --output_dir, or 'auto' (that one if any, "
-            "else start fresh)"
-        )
-    return value
+    return requested_checkpoint(args.resume_from_checkpoint, flag="--resume_from_checkpoint")
 
 
 def check(args: TrainJobArguments) -> bool | str | None:
@@ -149,9 +138,9 @@ def check(args: TrainJobArguments) -> bool | str | None:
             "Pick another --output_dir, or pass --overwrite_output_dir to replace that run"
         )
     if found and resume is None:
-        latest = get_last_checkpoint(str(out)) or str(found[-1])
+        latest, _ = newest_complete(out, verify=False)  # named only: resume verifies what it picks
         raise ConfigError(
-            f"--output_dir {str(out)!r} holds checkpoints of this job (latest: {os.path.basename(latest)}). Pass "
+            f"--output_dir {str(out)!r} holds checkpoints of this job (latest: {latest.name}). Pass "
             "--resume_from_checkpoint true (or auto) to continue from the newest complete one, or "
             "--overwrite_output_dir to start over"
         )

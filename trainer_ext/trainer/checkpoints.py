@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer_ext.callbacks.duties import DutyCallbackHandler
-from trainer_ext.checkpointing import disk_space, marker, together
+from trainer_ext.checkpointing import disk_space, marker, selection
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
-from trainer_ext.checkpointing.durable import flush_tree
+from trainer_ext.checkpointing.commit import commit
 from trainer_ext.checkpointing.links import refuse_link, refuse_links_under
 from trainer_ext.checkpointing.listing import rotate, sorted_checkpoints
 from trainer_ext.checkpointing.preemption import DEFAULT_EXIT_CODE, Preempted, PreemptionCallback, WorkerInit
-from trainer_ext.checkpointing.resume import AUTO, resume_request
 from trainer_ext.checkpointing.verification import check_safetensors
 from trainer_ext.distributed.strategies import STRATEGIES, checkpoint_owner
 from trainer_ext.errors import ConfigError
@@ -107,44 +106,30 @@ class CheckpointingMixin:
         return path
 
     def _resolve_resume(self, value: str | bool | None) -> str | None:
-        value = resume_request(value)
+        value = selection.requested_checkpoint(value)
         if value is None:
             return None
-        if value is True or value == AUTO:
-            chosen, skipped = together.newest_complete_together(self.args.output_dir, part=self._verify_part())
+        if value is True or value == selection.AUTO:
+            output_dir = self.args.output_dir
+            chosen, skipped = selection.newest_complete(output_dir, marker.TRAINER, part=self._verify_part())
             for line in skipped:
                 logger.warning("resume: skipping %s", line)
             if chosen is None:
                 if value is True:
                     # transformers' words first: scripts match them
                     raise ConfigError(
-                        f"No valid checkpoint found in output directory ({self.args.output_dir}): no complete "
-                        "checkpoint-N folder to resume from"
+                        f"No valid checkpoint found in output directory ({output_dir}): no complete checkpoint-N "
+                        "folder to resume from"
                         + (f" ({'; '.join(skipped)})" if skipped else "")
                         + ". Pass resume_from_checkpoint='auto' to start fresh when there is none"
                     )
-                logger.warning("resume: no complete checkpoint in %s, starting from scratch", self.args.output_dir)
+                logger.warning("resume: no complete checkpoint in %s, starting from scratch", output_dir)
                 return None
             logger.warning("resume: from %s, the newest complete checkpoint", chosen)
             path = str(chosen)
         else:
             path = value
-            if not os.path.isdir(path):
-                raise ConfigError(
-                    f"Can't find a valid checkpoint at {path}: no such directory. Pass a checkpoint-N folder, "
-                    "True (or 'true', 'latest') for the newest complete checkpoint in output_dir, or 'auto' "
-                    "(that one if any, else start fresh)"
-                )
-            # in a run saved by trainer_ext (a sibling has a marker) a folder without one is a save that did not
-            # finish, or whose marker was lost; only a plain transformers run's checkpoint goes without
-            ours = any(marker.has_marker(p) for p in sorted_checkpoints(Path(path).parent))
-            try:
-                found = together.verify_together(
-                    path, require_marker=ours, part=self._verify_part(), kind=marker.TRAINER
-                )
-            except marker.CheckpointError as error:
-                raise ConfigError(f"refusing to resume from {path!r}: {error}") from error
-            if not found:
+            if not selection.verify_requested(path, part=self._verify_part()):
                 logger.warning(
                     "resume: %s has no %s marker (not saved by trainer_ext); verified its files", path, marker.COMPLETE
                 )
@@ -220,50 +205,47 @@ class CheckpointingMixin:
         sharded_checkpoint.check_shapes(path.name, saved, expected, must_have=())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process).
+        """Write ``checkpoint-N`` on every rank, commit it with the marker, then rotate (one process): the commit
+        protocol of :func:`trainer_ext.checkpointing.commit.commit`, transformers' save being the write.
 
         ``save_total_limit`` stays set otherwise, so transformers' end of training keeps only the best checkpoint
         when the limit is 1 (as stock does), and callbacks read the user's value.
         """
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-        # every rank raises when the folder is refused (a link), none is left waiting at the barrier
-        together.agreed(lambda: self._prepare_folder(folder), str, ConfigError)
-        _barrier(self)
         limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours runs after
-        try:
-            super()._save_checkpoint(model, trial)
-            flush_tree(folder)  # this rank's data reaches the disk before the marker can
-        except Exception as error:  # torch, safetensors and the OS each say "disk full" with their own error type
-            self._raise_if_disk_full(error, folder)
-            raise
-        finally:
-            # At the end of training transformers deletes every checkpoint but the best when the limit is 1; a
-            # preempted run has not ended, so its last checkpoint must stay: train() restores the limit afterwards.
-            preempted = self._preemption is not None and self._preemption.preempted_at is not None
-            if not (preempted and getattr(self, "is_in_train", False)):
-                self.args.save_total_limit = limit
-        _barrier(self)  # every rank's files are written
-        crcs = together.own_checksums(folder)  # each rank reads back the per-rank files it wrote
-        if self.args.should_save:
+
+        def save(_: Path) -> None:
+            self.args.save_total_limit = None  # transformers' rotation runs before other ranks finish: ours after
             try:
-                marker.write_marker(
-                    folder,
-                    world_size=self.args.world_size,
-                    step=self.state.global_step,
-                    strategy=self.accelerator.strategy.name,
-                    crcs=crcs,
-                    kind=marker.TRAINER,
-                    **self._batch_facts(),
-                )
-            except OSError as error:
-                self._raise_if_disk_full(error, folder)
-                raise
-            marker.end_save(folder)
-            removed = rotate(folder.parent, limit, best=self.state.best_model_checkpoint)
-            for path in removed:
+                super(CheckpointingMixin, self)._save_checkpoint(model, trial)
+            finally:
+                # At the end of training transformers deletes every checkpoint but the best when the limit is 1; a
+                # preempted run has not ended, so its last checkpoint must stay: train() restores the limit after.
+                preempted = self._preemption is not None and self._preemption.preempted_at is not None
+                if not (preempted and getattr(self, "is_in_train", False)):
+                    self.args.save_total_limit = limit
+
+        def rotated(final: Path) -> None:
+            for path in rotate(final.parent, limit, best=self.state.best_model_checkpoint):
                 logger.info("deleted %s (save_total_limit=%s)", path.name, limit)
-        _barrier(self)
+
+        commit(
+            folder,
+            save,
+            main=self.args.should_save,
+            marker={
+                "world_size": self.args.world_size,
+                "step": self.state.global_step,
+                "strategy": self.accelerator.strategy.name,
+                "kind": marker.TRAINER,
+                **self._batch_facts(),
+            },
+            check=lambda: self._check_folder(folder),  # every rank raises when it is refused: none waits alone
+            rotate=rotated,
+            barrier=lambda: _barrier(self),
+            on_error=lambda error, _: self._raise_if_disk_full(error, folder),
+            failed=lambda _, lines: ConfigError(lines),
+        )
 
     def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
         """transformers' ``save_metrics``, refusing a link where it writes (the link rule)."""
@@ -277,9 +259,9 @@ class CheckpointingMixin:
             refuse_saved_links(self.args.output_dir)
         super().save_state()
 
-    def _prepare_folder(self, folder: Path) -> None:
-        """The link rule and a clean start for ``checkpoint-N`` (saving processes): refuse a link at or inside it,
-        clear what an earlier save left there (one that died, or of another run), tag the save."""
+    def _check_folder(self, folder: Path) -> None:
+        """The link rule for ``checkpoint-N`` (saving processes): refuse a link at or inside it, or a file there.
+        What an earlier save left in it (one that died, or of another run) is cleared by the commit's tag."""
         if not self.args.should_save:
             return
         refuse_links_under(folder, f"checkpoint {folder.name}, about to be saved")
@@ -288,10 +270,6 @@ class CheckpointingMixin:
                 f"{str(folder)!r} is not a folder: the checkpoint of step {self.state.global_step} goes there. "
                 "Move it away and run again"
             )
-        if folder.is_dir():  # a dead save, or an older one of this step: rewritten whole, nothing of it reused
-            marker.remove_marker(folder)  # first: a half-cleared folder is never taken for a complete one
-            shutil.rmtree(folder)  # no link inside (refused above): nothing outside the folder is touched
-        marker.begin_save(folder)  # until the marker: a save in progress, or one that died (rotation)
 
     def _raise_if_disk_full(self, error: BaseException, folder: Path) -> None:
         """A save that ran out of space: remove what it wrote (it has no marker) and say so in one clear error,
