@@ -1,8 +1,8 @@
 """The engine: the accelerator protocol object that transformers' Trainer (and hand-written loops) call.
 
-It composes a :class:`DistState` (who/where), a :class:`Strategy` (how the model is wrapped), a
-:class:`Precision` (autocast and scaler) and a :class:`GradientState` (sync boundaries). It never asks
-which backend it runs; it asks the strategy.
+It composes a :class:`DistState` (who/where), a :class:`Strategy` (how the model is set up and stepped, with the
+:class:`Precision` it holds: autocast and scaler) and a :class:`GradientState` (sync boundaries). It never asks
+which backend it runs, nor what the backend takes over: it calls the strategy's hooks.
 """
 
 from __future__ import annotations
@@ -53,16 +53,8 @@ class Engine(AccelerateNames):
             options = {"mixed_precision": mixed_precision, **(strategy_options or {})}
             strategy = resolve_strategy(state, strategy, **options)
         self.strategy = strategy
-        # DeepSpeed casts the model and keeps fp32 masters itself: no autocast or scaler of ours on top
         self._mixed_precision = mixed_precision
-        self.precision = Precision(
-            "no" if strategy.owns_mixed_precision else mixed_precision,
-            state.device,
-            uses_scaler=not strategy.owns_loss_scaling,
-            scaler_factory=strategy.make_grad_scaler,
-            autocast_kwargs=autocast_kwargs,
-            **(scaler_kwargs or {}),
-        )
+        strategy.setup_precision(mixed_precision, autocast_kwargs=autocast_kwargs, scaler_kwargs=scaler_kwargs)
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
         self.seed = seed
         # accelerate's dataloader options, read by transformers and users as accelerator attributes;
@@ -75,7 +67,7 @@ class Engine(AccelerateNames):
         self.device_placement = device_placement
         self.torch_compile = torch_compile
         self.parallelism_config = None
-        self.training_steps: tuple[int, int] | None = None  # (total, warm-up) for DeepSpeed's "auto" schedule
+        self.training_steps: tuple[int, int] | None = None  # (total, warm-up) for a schedule the backend builds
         self.step_was_skipped = False
         self.skipped_steps = 0  # optimizer steps skipped by the fp16 loss scaler (inf/NaN gradients)
         self._models: list[torch.nn.Module] = []
@@ -116,6 +108,11 @@ class Engine(AccelerateNames):
         return self._mixed_precision
 
     @property
+    def precision(self) -> Precision:
+        """The strategy's precision: autocast, the fp16 scaler and the ``forward`` patch."""
+        return self.strategy.precision
+
+    @property
     def scaler(self) -> torch.amp.GradScaler | None:
         return self.precision.scaler
 
@@ -151,8 +148,7 @@ class Engine(AccelerateNames):
         """
         placement = device_placement or [self.device_placement] * len(objects)
         out: list[Any] = list(objects)
-        if self.strategy.joint_prepare:
-            self._prepare_joint(out)
+        self._prepare_together(out)
         for i, (obj, place) in enumerate(zip(out, placement, strict=True)):
             if isinstance(obj, torch.nn.Module):
                 out[i] = self.prepare_model(obj, device_placement=place)
@@ -164,8 +160,9 @@ class Engine(AccelerateNames):
                 out[i] = self.prepare_dataloader(obj, device_placement=place)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _prepare_joint(self, objects: list[Any]) -> None:
-        """Joint strategies: the first model and optimizer are wrapped together (in place in ``objects``)."""
+    def _prepare_together(self, objects: list[Any]) -> None:
+        """Offer the first model and optimizer to the strategy to set up together (in place in ``objects``); one
+        that sets them up separately leaves them to :meth:`prepare_model` and :meth:`prepare_optimizer`."""
         models = [
             i for i, o in enumerate(objects) if isinstance(o, torch.nn.Module) and not self.strategy.is_prepared(o)
         ]
@@ -174,7 +171,10 @@ class Engine(AccelerateNames):
             return  # a model alone is wrapped by prepare_model (evaluation); an optimizer alone waits
         m, o = models[0], optimizers[0]
         optimizer = getattr(objects[o], "optimizer", objects[o])
-        model, backend_optimizer = self.strategy.setup_model_and_optimizer(objects[m], optimizer, self.training_steps)
+        together = self.strategy.setup_module_and_optimizer(objects[m], optimizer, self.training_steps)
+        if together is None:
+            return
+        model, backend_optimizer = together
         objects[m] = model
         wrapped = EngineOptimizer(backend_optimizer, self)
         self._optimizers.append(wrapped)
@@ -190,13 +190,11 @@ class Engine(AccelerateNames):
         """
         if self.strategy.is_prepared(model):
             return model
-        if self.strategy.joint_prepare:  # a model prepared without its optimizer: evaluation/inference
-            if evaluation_mode and not self.strategy.wraps_for_evaluation:
-                model = model.to(self.device) if device_placement is not False else model
-            else:
-                model = self.strategy.wrap(model)
-            self._models.append(model)
-            return model
+        device = None if device_placement is False else self.device
+        alone = self.strategy.setup_module_alone(model, evaluation=evaluation_mode, device=device)
+        if alone is not None:  # the backend's own object for it (one that sets models up with their optimizer)
+            self._models.append(alone)
+            return alone
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement and not _placed_by_user(model):
@@ -262,19 +260,19 @@ class Engine(AccelerateNames):
         """Backward of ``loss`` as given: accumulation normalisation is the caller's (never divided here)."""
         learning_rate = kwargs.pop("learning_rate", None)
         kwargs.pop("scale_wrt_gas", None)
-        if self.strategy.owns_accumulation:  # DeepSpeed: backward and step in one, at our sync boundary
-            boundary = self.gradient_state.sync_gradients
-            skipped = self.strategy.backward_and_step(loss, boundary=boundary)
-            if boundary:
-                self.step_was_skipped = skipped
-                self.skipped_steps += int(skipped)
-            return
         if learning_rate is not None:
             lomo = [o.optimizer for o in self._optimizers if hasattr(o.optimizer, "fused_backward")]
             if lomo:
                 lomo[0].fused_backward(loss, learning_rate)
                 return
-        self.strategy.backward(self.precision.scale(loss), **kwargs)
+        skipped = self.strategy.backward(loss, sync=self.gradient_state.sync_gradients, **kwargs)
+        if skipped is not None:  # the strategy stepped inside backward
+            self.record_step(skipped)
+
+    def record_step(self, skipped: bool) -> None:
+        """Note an optimizer step, and whether the fp16 scaler skipped it (inf/NaN gradients)."""
+        self.step_was_skipped = skipped
+        self.skipped_steps += int(skipped)
 
     def unscale_gradients(self) -> None:
         for optimizer in self._optimizers:

@@ -1,4 +1,4 @@
-"""The optimizer wrapper: steps only at sync boundaries and through the fp16 scaler.
+"""The optimizer wrapper: steps when the strategy says so (sync boundaries), the way the strategy steps.
 
 It is a real ``torch.optim.Optimizer`` (LR schedulers insist) that forwards everything to the user's.
 """
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 class OptimizerPlaceholder:
     """Stands for an optimizer the strategy's backend builds from its own config (accelerate's ``DummyOptim``):
     ``prepare`` hands it to the strategy with its model and returns the optimizer built in its place."""
+
+
+class SchedulerPlaceholder:
+    """Stands for an LR scheduler the strategy's backend builds and steps itself (accelerate's ``DummyScheduler``)."""
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -54,26 +58,17 @@ class EngineOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients at a sync boundary only, so accumulating loops keep every micro-batch's."""
-        if self.engine.strategy.owns_accumulation:
-            return  # DeepSpeed zeroes them in its own step
-        if self.engine.gradient_state.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Clear gradients when the strategy steps (a sync boundary), so accumulating loops keep every micro-batch's."""
+        strategy = self.engine.strategy
+        if strategy.should_step(self.engine.gradient_state.sync_gradients):
+            strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> None:
-        """Step at a sync boundary (through the scaler for fp16); a no-op on other micro-batches.
-
-        Under DeepSpeed the engine already stepped in ``backward`` (at the boundary): nothing left to do.
-        """
-        if not self.engine.gradient_state.sync_gradients or self.engine.strategy.owns_accumulation:
-            return
-        if closure is not None:
-            self.optimizer.step(closure)
-            self.engine.step_was_skipped = False
-            return
-        skipped = self.engine.precision.step(self.optimizer)
-        self.engine.step_was_skipped = skipped
-        self.engine.skipped_steps += int(skipped)
+        """The strategy's optimizer step (through the fp16 scaler) when it steps now; a no-op on other micro-batches
+        and for a strategy that stepped in ``backward`` already."""
+        strategy = self.engine.strategy
+        if strategy.should_step(self.engine.gradient_state.sync_gradients):
+            self.engine.record_step(strategy.optimizer_step(self.optimizer, closure))
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -1,7 +1,8 @@
 """Mixed precision, independent of the strategy: autocast around ``forward``, the fp16 GradScaler, fp8.
 
 transformers' Trainer adds no autocast of its own without accelerate, so ``prepare`` patches the model's
-``forward``: outputs come back in fp32, the original stays reachable as ``model._original_forward``.
+``forward``: outputs come back in fp32, the original stays reachable as ``model._original_forward``, and
+:meth:`Precision.restore_forward` puts it back. A strategy builds and holds the ``Precision`` it trains with.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class Precision:
         mode: str,
         device: torch.device,
         *,
-        uses_scaler: bool = True,
         scaler_factory: Any = None,
         autocast_kwargs: dict[str, Any] | None = None,
         **scaler_kwargs: Any,
@@ -55,7 +55,7 @@ class Precision:
         self.device = device
         self.dtype = _DTYPES.get(mode)
         self.scaler: torch.amp.GradScaler | None = None
-        if mode == "fp16" and uses_scaler and device.type != "cpu":
+        if mode == "fp16" and device.type != "cpu":
             factory = scaler_factory or torch.amp.GradScaler
             self.scaler = factory(device.type, **{"init_scale": 2.0**16, "growth_interval": 2000, **scaler_kwargs})
         self.autocast_kwargs = dict(autocast_kwargs or {})
@@ -91,6 +91,14 @@ class Precision:
 
         model.forward = types.MethodType(forward, model)
         model._trainer_ext_autocast = self.mode
+        return model
+
+    @staticmethod
+    def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
+        """Undo :meth:`patch_forward` (of any mode): the model's own ``forward`` again; a no-op when unpatched."""
+        if "_original_forward" in model.__dict__:
+            model.forward = model.__dict__.pop("_original_forward")
+            model.__dict__.pop("_trainer_ext_autocast", None)
         return model
 
     def prepare_for_training(self, model: torch.nn.Module) -> torch.nn.Module:

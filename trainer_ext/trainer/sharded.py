@@ -45,7 +45,7 @@ class ShardedCheckpointMixin:
 
     def _own_format(self) -> bool:
         """True when the strategy checkpoints the trained model in a format of its own (DeepSpeed's)."""
-        return self.accelerator.strategy.own_checkpoint_format and self.model_is_sharded()
+        return self.accelerator.strategy.writes_own_checkpoint(self._trained_model())
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Checkpoints of a sharded model: its shards; otherwise (final save): consolidated safetensors.

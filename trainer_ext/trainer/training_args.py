@@ -21,14 +21,8 @@ from transformers.training_args import ParallelMode
 from trainer_ext import env_vars
 from trainer_ext.distributed.rules import check_precision, claim_world
 from trainer_ext.distributed.state import DistributedType, DistState, detect_topology
-from trainer_ext.distributed.strategies.deepspeed.config import DeepSpeedConfig, DeepSpeedInputs
-from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy
-from trainer_ext.distributed.strategies.fsdp.config import (
-    fsdp_requested,
-    launched_fsdp_settings,
-    normalized_config,
-    parse_fsdp,
-)
+from trainer_ext.distributed.strategies import STRATEGIES
+from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested, launched_fsdp_settings
 from trainer_ext.errors import ConfigError
 from trainer_ext.trainer import compat as _compat
 from trainer_ext.trainer.foreign_accelerate import accelerate_state_set_up
@@ -207,7 +201,8 @@ class TrainingArguments(transformers.TrainingArguments):
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
         if self.fsdp_plugin_args is not None:
             self._claim_world("fsdp")
-        self.hf_deepspeed_config = self._deepspeed_config() if self.deepspeed else None
+        # the resolved --deepspeed config, registered with transformers (ZeRO-3 from_pretrained): keep it alive
+        self.hf_deepspeed_config = STRATEGIES["deepspeed"].read_training_arguments(self) if self.deepspeed else None
 
     def _take_launched_deepspeed(self) -> None:
         """``trainer-ext launch --deepspeed FILE script.py``: arguments that name no DeepSpeed config (nor FSDP)
@@ -235,34 +230,12 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         self.fsdp, self.fsdp_config = True, launched_fsdp_settings()
 
-    def _deepspeed_config(self) -> DeepSpeedConfig:
-        """Read, check and resolve the ``"auto"`` values of ``--deepspeed``; register it with transformers.
-
-        Registering makes ``is_deepspeed_zero3_enabled()`` true under ZeRO-3, so ``from_pretrained`` called
-        after these arguments were built creates the model partitioned. Keep the arguments alive meanwhile.
-        """
-        if self.device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its device once
-        config = DeepSpeedConfig(self.deepspeed).resolve(DeepSpeedInputs.from_training_args(self, self.world_size))
-        DeepSpeedStrategy(self.distributed_state, config).register_with_transformers()  # communication starts lazily
-        return config
-
     def _process_fsdp_args(self) -> dict | None:
         """Read ``--fsdp``/``--fsdp_config`` (YAML or JSON; transformers' or accelerate's keys) without accelerate."""
         if not fsdp_requested(self.fsdp):
             self.fsdp = type(self).__dataclass_fields__["fsdp"].default
             return None
-        settings = parse_fsdp(self.fsdp, self.fsdp_config)
-        if settings.activation_checkpointing and (
-            getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)
-        ):
-            raise ConfigError(
-                "fsdp_config activation_checkpointing and --gradient_checkpointing both recompute activations; "
-                "keep only fsdp_config activation_checkpointing (it recomputes each layer without a second all-gather)"
-            )
-        self.fsdp = True
-        self.fsdp_config = normalized_config(settings)
-        return settings.to_dict()
+        return STRATEGIES["fsdp"].read_training_arguments(self)
 
     def _refuse_unsupported(self) -> None:
         self._refuse_combinations()

@@ -419,7 +419,8 @@ def test_strategy_without_deepspeed_says_which_extra(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     strategy = ds_strategy.DeepSpeedStrategy(DistState(cpu=True, init=False), {"zero_optimization": {"stage": 2}})
-    assert strategy.owns_loss_scaling and strategy.owns_accumulation and strategy.name == "deepspeed"
+    assert not strategy.should_step(True) and strategy.name == "deepspeed"  # it steps inside backward
+    assert strategy.setup_precision("bf16").dtype is None  # its engine casts: no autocast of ours
     with pytest.raises(ConfigError, match=r"pip install 'deepspeed>=0\.16'"):
         strategy.initialize(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 

@@ -11,28 +11,24 @@ from typing import Any
 import torch
 
 from trainer_ext.checkpointing.saving import has_adapters, save_adapter, save_model
+from trainer_ext.distributed.optimizer import OptimizerPlaceholder, SchedulerPlaceholder
+from trainer_ext.distributed.precision import Precision
 from trainer_ext.distributed.state import DistributedType, DistState
-from trainer_ext.distributed.strategies.deepspeed.plugin import DummyOptim, DummyScheduler
 from trainer_ext.errors import ConfigError
 
 
 class Strategy:
     """Base strategy: one process, nothing wrapped. Subclasses override what their backend changes.
 
-    A strategy owns its whole backend: wrapping, gradient sync, backward/step, clipping, state dicts, checkpoints
-    of models no rank holds whole, the consolidated export and teardown. Generic code (engine, Trainer,
-    Accelerator) calls these methods and reads the capability flags below; it never asks which backend it is.
+    A strategy owns its whole backend: its precision, how models and optimizers are set up, gradient sync,
+    backward and the optimizer step, clipping, state dicts, checkpoints of models no rank holds whole, the
+    consolidated export and teardown. Generic code (engine, Trainer, Accelerator) calls these methods
+    unconditionally; it never asks which backend it is, nor what the backend takes over.
     """
 
     name = "single"
     title = "one process"  # how messages name the backend
     option_names: tuple[str, ...] = ()  # the keyword options this strategy takes (others are dropped)
-    owns_loss_scaling = False  # the backend scales fp16 losses itself (DeepSpeed)
-    owns_accumulation = False  # the backend decides accumulation boundaries itself (DeepSpeed)
-    owns_mixed_precision = False  # the backend casts the model and runs the step in its dtype (DeepSpeed)
-    joint_prepare = False  # model and optimizer are wrapped together (DeepSpeed's engine)
-    wraps_for_evaluation = False  # a joint strategy whose models must be wrapped even for evaluation
-    own_checkpoint_format = False  # checkpoints in the backend's own format, which only it resumes (DeepSpeed)
     # a checkpoint of another number of processes resumes (load_state, the Trainer's resume); not DeepSpeed's
     reshards_training_state = True
     # the processes it runs on, and what check_world says outside them ({world_size}: the processes there are)
@@ -47,6 +43,7 @@ class Strategy:
     def __init__(self, state: DistState, **options: Any) -> None:
         self.state = state
         self.options = options
+        self.precision = Precision("no", state.device)  # replaced by setup_precision (the engine calls it)
 
     @classmethod
     def from_options(cls, state: DistState, **options: Any) -> Strategy:
@@ -60,6 +57,12 @@ class Strategy:
             raise ConfigError(cls.too_few_processes.format(world_size=world_size))
         if cls.max_processes is not None and world_size > cls.max_processes:
             raise ConfigError(cls.too_many_processes.format(world_size=world_size))
+
+    @classmethod
+    def read_training_arguments(cls, args: Any) -> Any:
+        """What this backend makes of transformers' ``TrainingArguments`` that ask for it by their flag (its
+        settings, checked and normalised on ``args``); None for a backend without a flag of its own."""
+        return None
 
     @classmethod
     def claim_world(cls, state: DistState) -> None:
@@ -80,12 +83,40 @@ class Strategy:
         """True when ``model`` is already this backend's finished training object (nothing more to do to it)."""
         return False
 
-    def setup_model_and_optimizer(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Joint strategies (``joint_prepare``): wrap a model and its optimizer together; ``training_steps`` is
-        (total, warm-up) when known."""
-        raise NotImplementedError(f"strategy {self.name!r} wraps models and optimizers separately")
+    # -- precision ----------------------------------------------------------------------------------
+    def setup_precision(
+        self, mode: str, *, autocast_kwargs: dict[str, Any] | None = None, scaler_kwargs: dict[str, Any] | None = None
+    ) -> Precision:
+        """Build and keep this strategy's precision for ``mode``: autocast, the fp16 scaler (:meth:`make_grad_scaler`)
+        and fp8 layers, applied by the engine around the models it prepares."""
+        self.precision = Precision(
+            mode,
+            self.state.device,
+            scaler_factory=self.make_grad_scaler,
+            autocast_kwargs=autocast_kwargs,
+            **(scaler_kwargs or {}),
+        )
+        return self.precision
+
+    def make_grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
+        """The fp16 loss scaler for this backend."""
+        return torch.amp.GradScaler(device_type, **kwargs)
+
+    # -- setting models and optimizers up -----------------------------------------------------------
+    def setup_module_and_optimizer(
+        self, model: torch.nn.Module, optimizer: Any, training_steps: tuple[int, int] | None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
+        """Set a model and its optimizer up together, or None to leave each to its own preparation (here: the
+        engine places and casts the model, wraps it (:meth:`wrap`), then points the optimizer at what it trains).
+        ``training_steps`` is (total, warm-up) when known."""
+        return None
+
+    def setup_module_alone(
+        self, model: torch.nn.Module, *, evaluation: bool, device: torch.device | None
+    ) -> torch.nn.Module | None:
+        """A model prepared without its optimizer (``evaluation``: not for training; ``device``: where to place it,
+        None to leave it): this backend's object for it, or None to let the engine place, cast and wrap it."""
+        return None
 
     def resolve_auto_values(
         self,
@@ -102,7 +133,7 @@ class Strategy:
         """Check what a hand-written loop passes to ``prepare`` against this backend. accelerate's placeholders
         (``DummyOptim``/``DummyScheduler``) stand for a DeepSpeed config's blocks: refused here."""
         for obj in (optimizer, scheduler):
-            if isinstance(obj, DummyOptim | DummyScheduler):
+            if isinstance(obj, OptimizerPlaceholder | SchedulerPlaceholder):
                 raise ConfigError(
                     f"{type(obj).__name__} stands for the optimizer or scheduler block of a DeepSpeed config, and this "
                     "Accelerator runs no DeepSpeed; pass deepspeed_config=... (or deepspeed_plugin=DeepSpeedPlugin(...)) "
@@ -114,10 +145,6 @@ class Strategy:
 
     def forget(self) -> None:
         """Drop what was remembered about prepared models (the engine's ``free_memory``)."""
-
-    def make_grad_scaler(self, device_type: str, **kwargs: Any) -> torch.amp.GradScaler:
-        """The fp16 loss scaler for this backend."""
-        return torch.amp.GradScaler(device_type, **kwargs)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Strip this strategy's wrapper (and DataParallel) to reach the user's module."""
@@ -133,13 +160,29 @@ class Strategy:
         """Undo what a forward that raised (out of memory) left half done, so that the retry issues the same
         collectives as the ranks that did not fail. Nothing to undo by default."""
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
+    # -- the step: a strategy may take backward and the optimizer step over whole ---------------------
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, **kwargs: Any) -> bool | None:
+        """Backward of one micro-batch's ``loss``, scaled by this strategy's precision; ``sync`` is True at an
+        accumulation boundary. Returns None when no optimizer step ran (here: :meth:`optimizer_step` runs it), or,
+        for a backend that steps inside backward, whether that step was skipped (fp16 overflow)."""
+        self.precision.scale(loss).backward(**kwargs)
+        return None
 
-    def backward_and_step(self, loss: torch.Tensor, boundary: bool) -> bool:
-        """Backends that own accumulation (``owns_accumulation``): backward, then step at ``boundary``;
-        returns True when the step was skipped (fp16 overflow)."""
-        raise NotImplementedError(f"strategy {self.name!r} leaves the optimizer step to the caller")
+    def should_step(self, sync: bool) -> bool:
+        """Whether a prepared optimizer's ``step`` and ``zero_grad`` act now (``sync``: an accumulation boundary)."""
+        return sync
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Step ``optimizer`` (through the precision's fp16 scaler unless a ``closure`` is given); True when the
+        scaler skipped the step (inf/NaN gradients)."""
+        if closure is not None:
+            optimizer.step(closure)
+            return False
+        return self.precision.step(optimizer)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """Clear ``optimizer``'s gradients (at a boundary, when :meth:`should_step`)."""
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
@@ -190,6 +233,24 @@ class Strategy:
     def save_checkpoint_optimizer(self, model: Any, optimizer: Any, directory: str | os.PathLike) -> None:
         """Sharded models: every rank writes its part of the optimizer state into a Trainer checkpoint."""
         raise NotImplementedError(f"strategy {self.name!r} holds whole models: the Trainer saves them itself")
+
+    def writes_own_checkpoint(self, model: Any) -> bool:
+        """True when checkpoints of ``model`` are in this backend's own format, which only it resumes."""
+        return False
+
+    def writes_training_state(self, model: Any) -> bool:
+        """True when ``save_state`` leaves ``model``'s weights to :meth:`save_training_state` (its own files),
+        out of reach of the whole-file writer and its hooks."""
+        return self.shards_model(model)
+
+    def loads_whole_model_state(self) -> bool:
+        """True when a loop checkpoint of whole models (accelerate's, or ours without sharding) resumes here."""
+        return True
+
+    @property
+    def own_checkpoint_format(self) -> bool:
+        """Read by callers not yet moved to the methods above: True when whole-model loop states do not resume."""
+        return not self.loads_whole_model_state()
 
     @classmethod
     def has_own_checkpoint(cls, directory: str | os.PathLike) -> bool:

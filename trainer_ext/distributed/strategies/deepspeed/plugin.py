@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_ext.distributed.optimizer import OptimizerPlaceholder
+from trainer_ext.distributed.optimizer import OptimizerPlaceholder, SchedulerPlaceholder
 from trainer_ext.distributed.strategies.deepspeed.config import AUTO, DeepSpeedConfig
 from trainer_ext.errors import ConfigError
 
@@ -181,7 +181,7 @@ class DummyOptim(OptimizerPlaceholder):
         return {**self.kwargs, "lr": self.lr, "weight_decay": self.weight_decay}
 
 
-class DummyScheduler:
+class DummyScheduler(SchedulerPlaceholder):
     """Stands for the scheduler a DeepSpeed config's ``scheduler`` block makes, or ``lr_scheduler_callable``'s.
 
     ``total_num_steps`` (counted over the unsharded loader, as accelerate's examples do: it is divided by the

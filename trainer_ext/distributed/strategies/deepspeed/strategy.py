@@ -3,7 +3,9 @@
 DeepSpeed wraps model, optimizer and scheduler together into one engine, and owns fp16 loss scaling,
 gradient clipping (``gradient_clipping``) and accumulation boundaries (``gradient_accumulation_steps``):
 call :meth:`DeepSpeedStrategy.backward` then :meth:`DeepSpeedStrategy.step` on every micro-batch and the
-engine steps optimizer and scheduler at the boundary itself. deepspeed is imported only when used.
+engine steps optimizer and scheduler at the boundary itself. Under our engine it takes the step over whole:
+its precision does nothing (the engine casts and scales), ``backward`` steps at our sync boundary and the prepared
+optimizer's ``step``/``zero_grad`` never act. deepspeed is imported only when used.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.checkpointing.saving import save_model
+from trainer_ext.distributed.precision import Precision
 from trainer_ext.distributed.state import DistributedType, DistState
 from trainer_ext.distributed.strategies.base import Strategy
 from trainer_ext.distributed.strategies.deepspeed import config as deepspeed_config
+from trainer_ext.distributed.strategies.deepspeed.arguments import config_from_training_args
 from trainer_ext.distributed.strategies.deepspeed.config import DeepSpeedConfig, check_resolved
 from trainer_ext.distributed.strategies.deepspeed.plugin import DummyOptim, DummyScheduler
 from trainer_ext.distributed.strategies.deepspeed.setup import destroy_own_group, is_engine, start_communication
@@ -48,11 +52,6 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     title = "DeepSpeed"
     option_names = ("config", "build_cpu_shm_comm")
-    owns_loss_scaling = True
-    owns_accumulation = True
-    owns_mixed_precision = True
-    joint_prepare = True
-    own_checkpoint_format = True
     reshards_training_state = False  # its engine checkpoint loads only on the world size that wrote it
 
     def __init__(self, state: DistState, config: dict | DeepSpeedConfig, **options: Any) -> None:
@@ -64,6 +63,11 @@ class DeepSpeedStrategy(Strategy):
         self._loop_steps: tuple[int | None, int | None] | None = None  # a loop's DummyScheduler: (total, warm-up)
         self._loop_scheduler: Any = None  # a loop's DummyScheduler(lr_scheduler_callable=...)
 
+    @classmethod
+    def read_training_arguments(cls, args: Any) -> DeepSpeedConfig:
+        """``--deepspeed``: the config resolved from the arguments and registered with transformers."""
+        return config_from_training_args(args)
+
     @property
     def config(self) -> dict:
         return self.hf_config.config
@@ -72,10 +76,13 @@ class DeepSpeedStrategy(Strategy):
     def distributed_type(self) -> DistributedType:
         return DistributedType.DEEPSPEED
 
-    @property
-    def wraps_for_evaluation(self) -> bool:
-        """ZeRO-3 partitions the parameters: even an evaluation-only model runs inside an engine."""
-        return self.hf_config.is_zero3()
+    def setup_precision(
+        self, mode: str, *, autocast_kwargs: dict[str, Any] | None = None, scaler_kwargs: dict[str, Any] | None = None
+    ) -> Precision:
+        """DeepSpeed casts the model, keeps fp32 masters and scales fp16 losses itself (its config's ``fp16``/
+        ``bf16``): no autocast, ``forward`` patch or scaler of ours on top."""
+        self.precision = Precision("no", self.state.device)
+        return self.precision
 
     def resolve_auto_values(
         self,
@@ -234,8 +241,8 @@ class DeepSpeedStrategy(Strategy):
         self._grad_norm = None
         return engine, ds_optimizer, ds_scheduler
 
-    def setup_model_and_optimizer(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training_steps: tuple[int, int] | None
+    def setup_module_and_optimizer(
+        self, model: torch.nn.Module, optimizer: Any, training_steps: tuple[int, int] | None
     ) -> tuple[Any, Any]:
         """Fill the model- and schedule-derived ``"auto"`` values, then :meth:`initialize`; returns
         ``(engine, optimizer)``. An ``optimizer`` block in the config wins over ``optimizer`` (left unused); a
@@ -263,6 +270,15 @@ class DeepSpeedStrategy(Strategy):
         inference = deepspeed_config.finalize(inference, hidden_size=deepspeed_config.model_hidden_size(model))
         return self.initialize(model, config=inference)[0]
 
+    def setup_module_alone(
+        self, model: torch.nn.Module, *, evaluation: bool, device: torch.device | None
+    ) -> torch.nn.Module:
+        """A model without its optimizer: an evaluation engine (:meth:`wrap`), except for evaluation below ZeRO-3,
+        where the model is only placed (ZeRO-3 partitions the parameters: even evaluation runs inside an engine)."""
+        if evaluation and not self.hf_config.is_zero3():
+            return model.to(device) if device is not None else model
+        return self.wrap(model)
+
     def is_prepared(self, model: Any) -> bool:
         return is_engine(model)
 
@@ -286,24 +302,29 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed reduces at its own boundaries (ZeRO-2/3 refuse ``engine.no_sync``)."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backward through the engine (fp16 loss scaling is DeepSpeed's).
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, **kwargs: Any) -> bool | None:
+        """Backward through the engine (fp16 loss scaling is DeepSpeed's); with ``sync`` (the engine's call) the step
+        follows at once, at that accumulation boundary rather than DeepSpeed's count, so a shorter last window steps
+        too. Returns, at a boundary, whether DeepSpeed skipped the step (fp16 overflow); else None. Without ``sync``
+        (an engine driven by hand) only the backward runs: call :meth:`step` after.
 
         Like every strategy, the loss is used as given: accumulation normalisation is the caller's, so
         DeepSpeed's own division by the accumulation steps is off unless ``scale_wrt_gas=True`` is passed.
         """
         kwargs.setdefault("scale_wrt_gas", False)
-        self._engine().backward(loss, **kwargs)
-
-    def backward_and_step(self, loss: torch.Tensor, boundary: bool) -> bool:
-        """Backward and step with the accumulation boundary set by the caller (its sync flag), not DeepSpeed's
-        count, so a shorter last window steps too; True when DeepSpeed skipped the step (fp16 overflow)."""
         engine = self._engine()
-        engine.set_gradient_accumulation_boundary(boundary)
+        if sync is None:
+            engine.backward(loss, **kwargs)
+            return None
+        engine.set_gradient_accumulation_boundary(sync)
         before = getattr(engine, "skipped_steps", 0)
-        self.backward(loss)
+        engine.backward(loss, **kwargs)
         self.step()
-        return boundary and getattr(engine, "skipped_steps", 0) > before
+        return getattr(engine, "skipped_steps", 0) > before if sync else None
+
+    def should_step(self, sync: bool) -> bool:
+        """Never: :meth:`backward` stepped (and zeroed the gradients) at the boundary already."""
+        return False
 
     def step(self) -> None:
         """``engine.step()`` after every micro-batch; at the boundary it clips, steps the optimizer and
@@ -344,6 +365,18 @@ class DeepSpeedStrategy(Strategy):
     def shards_model(self, model: Any) -> bool:
         """A model inside an engine is checkpointed by the engine on every rank, in DeepSpeed's format."""
         return is_engine(model)
+
+    def writes_own_checkpoint(self, model: Any) -> bool:
+        """A model inside an engine: its checkpoints are the engine's (``global_stepN/`` + ``latest``)."""
+        return is_engine(model)
+
+    def writes_training_state(self, model: Any) -> bool:
+        """``save_state`` writes the engine's checkpoint, which holds every model it trains."""
+        return True
+
+    def loads_whole_model_state(self) -> bool:
+        """Only the engine's own checkpoints resume (model, optimizer and its state together)."""
+        return False
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return self.consolidated_state_dict() or {}

@@ -25,6 +25,7 @@ from trainer_ext.checkpointing import loop_state
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.distributed.state import DistributedType, DistState
 from trainer_ext.distributed.strategies.base import Strategy
+from trainer_ext.distributed.strategies.fsdp.arguments import plugin_args_from_training_args
 from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings
 from trainer_ext.errors import ConfigError
 
@@ -86,6 +87,11 @@ class FSDPStrategy(Strategy):
         # the unsharded parameter be freed, and tells its entry from a later object that reuses the same id
         self._sharded: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
         self._mesh = None
+
+    @classmethod
+    def read_training_arguments(cls, args: Any) -> dict[str, Any]:
+        """``--fsdp``/``--fsdp_config``: the settings checked and normalised on ``args``, as ``fsdp_plugin_args``."""
+        return plugin_args_from_training_args(args)
 
     @property
     def distributed_type(self) -> DistributedType:
