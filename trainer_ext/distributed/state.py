@@ -10,9 +10,8 @@ import atexit
 import contextlib
 import gc
 import os
-import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -186,10 +185,20 @@ def choose_device(topology: Topology, cpu: bool = False) -> torch.device:
 GLOO_DRAIN_SECONDS = 0.1
 
 
-def destroy_process_group() -> None:
-    """Destroy the default group and let go of every group DeepSpeed still refers to (as its own destroy does).
+# what a backend runs right after the default group is destroyed, to let go of the groups it still refers to
+AFTER_DESTROY: list[Callable[[], None]] = []
 
-    A gloo group whose last reference outlives the destroy (DeepSpeed's module globals, a DDP reducer, a device
+
+def release_groups_after_destroy(release: Callable[[], None]) -> None:
+    """Have :func:`destroy_process_group` call ``release`` once the default group is gone (once per function)."""
+    if release not in AFTER_DESTROY:
+        AFTER_DESTROY.append(release)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group and let go of every group a backend still refers to (its ``AFTER_DESTROY`` hook).
+
+    A gloo group whose last reference outlives the destroy (a backend's module globals, a DDP reducer, a device
     mesh) keeps its worker threads. A worker frees a finished collective's tensors after the caller's ``wait``
     has returned, and freeing a tensor that Python also knew takes the GIL: if the interpreter is already being
     torn down by then, the thread dies inside a destructor and the process aborts (SIGABRT, "terminate called
@@ -198,10 +207,8 @@ def destroy_process_group() -> None:
     """
     gc.collect()
     dist.destroy_process_group()
-    groups = sys.modules.get("deepspeed.utils.groups")  # imported only where DeepSpeed ran
-    release = getattr(groups, "_release_process_group_references", None)
-    if release is not None:
-        release(group=None)
+    for release in AFTER_DESTROY:
+        release()
     gc.collect()
     time.sleep(GLOO_DRAIN_SECONDS)  # gloo serves CPU tensors under NCCL too (our host group), so always
 

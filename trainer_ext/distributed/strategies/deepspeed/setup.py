@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer_ext.distributed.state import DistState, destroy_process_group
+from trainer_ext.distributed.state import DistState, destroy_process_group, release_groups_after_destroy
 from trainer_ext.env_vars import LOCAL_RANK
 from trainer_ext.errors import ConfigError
 
@@ -21,6 +21,17 @@ INSTALL_HINT = (
     "DeepSpeed is not installed: pip install 'deepspeed>=0.16' "
     "(on a machine without CUDA: DS_BUILD_OPS=0 pip install 'deepspeed>=0.16')"
 )
+
+
+def release_group_references() -> None:
+    """Let go of every group DeepSpeed's module globals still refer to, as its own destroy does (when it ran)."""
+    groups = sys.modules.get("deepspeed.utils.groups")  # imported only where DeepSpeed ran
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
+
+
+release_groups_after_destroy(release_group_references)
 
 
 def import_deepspeed() -> Any:
