@@ -105,20 +105,44 @@ def test_only_the_entry_point_imports_the_cli() -> None:
     assert bad == []
 
 
-# generic code: it calls the strategy interface and never asks which backend it is
+# generic code: it calls the strategy interface and never asks which backend it is, nor what the backend takes over
 GENERIC = (
-    "distributed/engine.py",
+    *(f"distributed/{name}.py" for name in ("engine", "optimizer", "precision", "accumulation", "state", "rules")),
+    *(f"distributed/{name}.py" for name in ("collectives", "engine_names")),
     *(f"accelerator/{name}.py" for name in ("accelerator", "checkpoints", "options", "processes", "scheduler")),
     *(f"accelerator/{name}.py" for name in ("setup", "tracking")),
     "trainer/trainer.py",
     "trainer/sharded.py",
     "trainer/checkpoints.py",
+    "trainer/training_args.py",
 )
-BACKEND_WORDS = ("hf_config", "is_engine", "is_sharded", "strategy.engine", "is_zero3", "DeepSpeedStrategy")
+BACKEND_WORDS = (
+    "hf_config",
+    "is_engine",
+    "is_sharded",
+    "strategy.engine",
+    "is_zero3",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
+    # capability flags that were "is it DeepSpeed" under other names: the strategy's hooks do the work instead
+    "owns_accumulation",
+    "owns_mixed_precision",
+    "owns_loss_scaling",
+    "joint_prepare",
+    "wraps_for_evaluation",
+    "backward_and_step",
+)
 # generic files that must speak a public API naming the backend, so their code may say "deepspeed": accelerate's
 # Accelerator(deepspeed_plugin=...) and our deepspeed_config= (mapped to the registry name in accelerator_setup),
-# transformers' args.hf_deepspeed_config / trainer.is_deepspeed_enabled
-SPEAKS_BACKEND_API = ("accelerator/accelerator.py", "accelerator/setup.py", "trainer/trainer.py")
+# transformers' args.hf_deepspeed_config / trainer.is_deepspeed_enabled and its --deepspeed/--fsdp flags (the
+# registry's strategies read them), accelerate's AcceleratorState (DistributedType.DEEPSPEED, deepspeed_plugin)
+SPEAKS_BACKEND_API = (
+    "accelerator/accelerator.py",
+    "accelerator/setup.py",
+    "trainer/trainer.py",
+    "trainer/training_args.py",
+    "distributed/state.py",
+)
 
 
 @pytest.mark.parametrize("relative", GENERIC)
@@ -138,6 +162,20 @@ def test_generic_code_never_names_a_backend(relative: str) -> None:
         if re.search(rf"\b{re.escape(word)}\b", text)
     ]
     assert backend_imports + words == []
+
+
+def test_only_the_registry_names_the_strategies() -> None:
+    """Outside distributed/strategies/ a strategy is reached through the registry (``STRATEGIES``,
+    ``resolve_strategy``), never by its class's module: adding a strategy is one package and one registry entry."""
+    classes = re.compile(r"trainer_ext\.distributed\.strategies\.(base|ddp|single|\w+\.strategy)")
+    outside = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[:2] != ("distributed", "strategies")]
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+        for path in outside
+        for line, name in _imports(path)
+        if classes.fullmatch(name)
+    ]
+    assert bad == []
 
 
 def _code_words(text: str) -> list[tuple[int, str]]:
