@@ -54,6 +54,8 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 
 SHIPPED_FILES = (SENTIMENT, CORPUS)
 DATA_KEYS = ("train_file", "validation_file")
+# where an install keeps the shipped data, and where it kept it before the data moved under job/
+SHIPPED_AT = (("trainer_ext", "job", "data"), ("trainer_ext", "data"))
 
 
 def shipped_name(path: Any) -> str | None:
@@ -63,7 +65,8 @@ def shipped_name(path: Any) -> str | None:
         return None
     for shipped in SHIPPED_FILES:
         parts = Path(path).parts
-        if parts[-3:] == ("trainer_ext", "data", shipped.name) or _same_file(path, shipped):
+        located = any(parts[-len(at) - 1 :] == (*at, shipped.name) for at in SHIPPED_AT)
+        if located or _same_file(path, shipped):
             return f"<built-in {shipped.name}>"
     return None
 
