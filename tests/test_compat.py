@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import inspect
 import io
+import logging
 import pickle
 import random
 import subprocess
@@ -19,6 +21,7 @@ import torch
 import transformers
 import transformers.trainer as hf_trainer
 import transformers.training_args as hf_args
+from transformers import TrainerCallback
 
 from trainer_ext import Trainer, TrainingArguments
 from trainer_ext.distributed.accumulation import GradientState
@@ -110,23 +113,164 @@ def test_the_doors_we_override_exist() -> None:
     assert "is_deepspeed_enabled" in source and "is_fsdp_enabled" in source
 
 
-def test_install_is_idempotent_and_routes_skip_first_batches() -> None:
-    _compat.install()
-    first = hf_trainer.skip_first_batches
-    _compat.install()
-    assert hf_trainer.skip_first_batches is first
+def _our_loader(n: int = 10) -> ShardedDataLoader:
     from torch.utils.data import DataLoader
 
-    loader = shard_dataloader(
-        DataLoader(list(range(10)), batch_size=2),
+    return shard_dataloader(
+        DataLoader(list(range(n)), batch_size=2),
         num_processes=1,
         process_index=0,
         gradient_state=GradientState(),
         seed=0,
     )
-    skipped = hf_trainer.skip_first_batches(loader, 2)
+
+
+# --- runtime patches (docs/runtime-patches.md): each kept one, why the drop-in needs it, and that it stays local ---
+
+
+def test_install_sets_only_the_names_transformers_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names accelerate bound (here stand-ins) are left alone; missing ones become ours; nothing else is replaced."""
+    monkeypatch.setattr(_compat, "_installed", False)
+    accelerate_like = {"skip_first_batches": lambda loader, n=0: loader, "release_memory": lambda *objects: []}
+    for name in ("DistributedType", "clear_device_cache", "should_reduce_batch_size"):
+        monkeypatch.delattr(hf_trainer, name, raising=False)
+    for name, value in accelerate_like.items():
+        monkeypatch.setattr(hf_trainer, name, value)
+    monkeypatch.delattr(hf_args, "DistributedType", raising=False)
+    stock_find = hf_trainer.find_executable_batch_size
+    _compat.install()
+    _compat.install()  # idempotent
+    for name, value in accelerate_like.items():
+        assert getattr(hf_trainer, name) is value, name
+    assert hf_trainer.find_executable_batch_size is stock_find
+    assert hf_trainer.DistributedType is hf_args.DistributedType is _compat.DistributedType
+    assert hf_trainer.clear_device_cache is _compat.clear_device_cache
+    assert hf_trainer.should_reduce_batch_size is _compat.should_reduce_batch_size
+
+
+def test_without_accelerate_the_missing_skip_first_batches_is_ours() -> None:
+    _compat.install()
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed: transformers binds its own skip_first_batches")
+    skipped = hf_trainer.skip_first_batches(_our_loader(), 2)
     assert isinstance(skipped, ShardedDataLoader)
     assert [b.tolist() for b in skipped] == [[4, 5], [6, 7], [8, 9]]
+
+
+def test_stock_find_executable_batch_size_needs_accelerate_for_auto_find_batch_size() -> None:
+    """Why our loop needs its own name: transformers' one hands ``auto_find_batch_size`` to accelerate."""
+    from transformers.trainer_utils import find_executable_batch_size
+
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed")
+    assert find_executable_batch_size(lambda batch_size: batch_size, 8, False)() == 8
+    with pytest.raises((ImportError, KeyError)):  # 5.24 fails formatting its "needs accelerate" message: KeyError
+        find_executable_batch_size(lambda batch_size: batch_size, 8, True)
+
+
+def test_loop_names_are_routed_only_while_the_loop_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With accelerate's ``skip_first_batches`` bound (a stand-in), ours skips our loaders, accelerate's the rest."""
+    from torch.utils.data import DataLoader
+
+    _compat.install()
+    calls = []
+
+    def accelerate_skip(loader, num_batches=0):  # noqa: ANN001, ANN202
+        calls.append(num_batches)
+        return loader
+
+    monkeypatch.setattr(hf_trainer, "skip_first_batches", accelerate_skip)
+    stock_find = hf_trainer.find_executable_batch_size
+    with _compat.training_loop_names():
+        with _compat.training_loop_names():  # nested (hyperparameter search, a callback that trains): one set-up
+            routed = hf_trainer.skip_first_batches
+        assert hf_trainer.skip_first_batches is routed and routed is not accelerate_skip
+        assert [b.tolist() for b in routed(_our_loader(), 3)] == [[6, 7], [8, 9]]
+        plain = DataLoader(list(range(4)), batch_size=2)
+        assert routed(plain, 1) is plain and calls == [1]
+        assert hf_trainer.find_executable_batch_size is not stock_find
+    assert hf_trainer.skip_first_batches is accelerate_skip
+    assert hf_trainer.find_executable_batch_size is stock_find
+
+
+class _LoopNames(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        self.find = hf_trainer.find_executable_batch_size
+
+
+@pytest.mark.parametrize("auto_find_batch_size", [False, True])
+def test_our_trainer_trains_on_its_loop_names_and_puts_them_back(tmp_path, auto_find_batch_size: bool) -> None:
+    from tests.test_trainer_dropin import Regression, Rows
+    from tests.test_trainer_dropin import _args as dropin_args
+
+    stock_find = hf_trainer.find_executable_batch_size
+    spy = _LoopNames()
+    args = dropin_args(tmp_path, max_steps=2, save_strategy="no", auto_find_batch_size=auto_find_batch_size)
+    trainer = Trainer(model=Regression(), args=args, train_dataset=Rows(16), callbacks=[spy])
+    assert hf_trainer.find_executable_batch_size is stock_find  # building a Trainer patches nothing
+    trainer.train()
+    assert spy.find is not stock_find and trainer.state.global_step == 2
+    assert hf_trainer.find_executable_batch_size is stock_find
+
+
+def test_model_train_is_shadowed_for_the_one_call_transformers_makes(tmp_path) -> None:
+    """lean_step: transformers' step calls ``model.train()`` on the model it is given; the instance shadow is gone
+    after every step (nothing is left on the model)."""
+    from tests.test_trainer_dropin import Regression, Rows
+    from tests.test_trainer_dropin import _args as dropin_args
+
+    source = inspect.getsource(transformers.Trainer.training_step)
+    assert "def training_step(" in source and "model.train()" in source
+    seen = []
+
+    class Spy(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, ANN201
+            seen.append("train" in vars(model))
+
+    model = Regression()
+    trainer = Trainer(model=model, args=dropin_args(tmp_path, max_steps=3, save_strategy="no"), train_dataset=Rows(16))
+    trainer.add_callback(Spy())
+    trainer.train()
+    assert seen == [False] * 3 and "train" not in vars(model)
+
+
+def test_the_optimizer_step_follows_on_pre_optimizer_step() -> None:
+    """NaNGuard skips a step by giving the optimizer instance a one-call ``step`` in ``on_pre_optimizer_step``:
+    transformers' loop must call ``optimizer.step()`` right after that event."""
+    lines = [line.strip() for line in inspect.getsource(transformers.Trainer._run_epoch).splitlines()]
+    event = next(i for i, line in enumerate(lines) if "on_pre_optimizer_step(" in line)
+    assert lines[event + 1] == "self.optimizer.step()"
+
+
+def test_the_callback_handler_state_is_what_duties_carry_over() -> None:
+    """DutyCallbackHandler.wrap takes these attributes of transformers' handler: a new one would be lost."""
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+    from trainer_ext.callbacks.duties import HANDLER_STATE, DutyCallbackHandler
+
+    handler = CallbackHandler([DefaultFlowCallback], "model", "tokenizer", "optimizer", "scheduler")
+    assert set(vars(handler)) == set(HANDLER_STATE)
+    wrapped = DutyCallbackHandler.wrap(handler, [])
+    assert all(getattr(wrapped, name) is getattr(handler, name) for name in HANDLER_STATE)
+
+
+def test_rank_prefixing_hooks_are_set_once_and_put_back_in_any_order() -> None:
+    """main_process_logging chains the standard library's record factory and ``warnings.formatwarning`` on a
+    non-main rank; set up twice (the Trainer's duty and a user's instance), undone in creation order, both come back."""
+    from trainer_ext.callbacks.main_process_logging import configure_process_logging
+
+    factory, formatwarning, level = logging.getLogRecordFactory(), warnings.formatwarning, logging.getLogger().level
+    assert configure_process_logging(0)() is None and logging.getLogRecordFactory() is factory  # main: untouched
+    first, second = configure_process_logging(1), configure_process_logging(1)
+    try:
+        first()
+        first()  # twice: counted once
+        assert logging.getLogRecordFactory() is not factory  # the second set-up still holds it
+        assert warnings.formatwarning("w", UserWarning, "f.py", 1).startswith("[rank 1] ")
+    finally:
+        second()
+    assert logging.getLogRecordFactory() is factory and warnings.formatwarning is formatwarning
+    assert logging.getLogger().level == level
 
 
 def test_accelerator_config_is_converted_without_accelerate() -> None:

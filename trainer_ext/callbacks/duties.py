@@ -14,6 +14,17 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
+# What transformers' CallbackHandler holds (its __init__ sets exactly these; tests/test_compat.py pins the list)
+HANDLER_STATE = (
+    "callbacks",
+    "model",
+    "processing_class",
+    "optimizer",
+    "lr_scheduler",
+    "train_dataloader",
+    "eval_dataloader",
+)
+
 
 class DutyCallbackHandler(CallbackHandler):
     """transformers' ``CallbackHandler`` plus a private list of duties called after the public callbacks."""
@@ -26,8 +37,9 @@ class DutyCallbackHandler(CallbackHandler):
         if isinstance(handler, cls):
             handler.duties.extend(duties)
             return handler
-        wrapped = cls.__new__(cls)
-        wrapped.__dict__.update(handler.__dict__)
+        wrapped = cls.__new__(cls)  # not __init__: it would copy the list and warn again about duplicates
+        for name in HANDLER_STATE:
+            setattr(wrapped, name, getattr(handler, name))
         wrapped.duties = list(duties)
         return wrapped
 

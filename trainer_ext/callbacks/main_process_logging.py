@@ -10,12 +10,14 @@ only on the world main process, and the transformers verbosity is set per proces
 - Python's own logging (the root logger, which ``logging.basicConfig(level=INFO)`` scripts raise) is untouched, so
   every rank repeats every INFO line: here the other ranks are lowered to the replica level;
 - nothing says which rank a warning came from: here every log record and Python warning of rank N starts with
-  ``[rank N]``.
+  ``[rank N]``, through the standard library's two hooks for it (the log-record factory and
+  ``warnings.formatwarning``), chained to the previous ones, set once per process and put back by ``restore()``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -31,14 +33,47 @@ def rank_prefix(process_index: int) -> str:
     return f"[rank {process_index}] "
 
 
+_lock = threading.Lock()
+_shared: dict[str, Any] = {}  # the process's one prefixing set-up: its key (rank, level), users and undo function
+
+
 def configure_process_logging(process_index: int, replica_level: int = logging.WARNING) -> Callable[[], None]:
     """Quiet a non-main rank to ``replica_level`` and prefix its records and warnings; returns the undo function.
 
     On the main process (index 0) nothing changes. The root logger is only ever made quieter, never louder; the
-    transformers verbosity is set to ``replica_level`` as transformers itself does for its replicas.
+    transformers verbosity is set to ``replica_level`` as transformers itself does for its replicas. Every call with
+    the same rank and level shares one set-up, undone when the last of them is undone (in any order).
     """
     if process_index == 0:
         return lambda: None
+    key = (process_index, replica_level)
+    with _lock:
+        if _shared.get("key") == key:
+            _shared["users"] += 1
+        elif not _shared:
+            _shared.update(key=key, users=1, undo=_install(process_index, replica_level))
+        else:  # another rank or level in the same process (tests): a layer of its own, undone by its caller
+            return _install(process_index, replica_level)
+    released = False
+
+    def undo() -> None:
+        nonlocal released
+        with _lock:
+            if released:
+                return
+            released = True
+            _shared["users"] -= 1
+            if _shared["users"]:
+                return
+            restore = _shared["undo"]
+            _shared.clear()
+        restore()
+
+    return undo
+
+
+def _install(process_index: int, replica_level: int) -> Callable[[], None]:
+    """Set the levels, and chain the record factory and ``warnings.formatwarning`` (the standard library's hooks)."""
     prefix = rank_prefix(process_index)
     root = logging.getLogger()
     old_root_level, old_hf_level = root.level, hf_logging.get_verbosity()

@@ -3,16 +3,21 @@
 transformers' ``trainer.py`` and ``training_args.py`` bind a few accelerate names at module level only
 when accelerate is installed, yet reach them on every run (``DistributedType`` in ``_run_epoch``,
 ``skip_first_batches`` on mid-epoch resume …). :func:`install` provides ours under those names, only
-where they are missing — except ``skip_first_batches``, which is routed to ours for our dataloaders and
-to the original for any other. Nothing here imports accelerate.
+where they are missing. While one of our trainers trains (:func:`training_loop_names`), the loop's
+``find_executable_batch_size`` and an accelerate ``skip_first_batches`` are routed to ours for our trainers and
+dataloaders, and put back afterwards. docs/runtime-patches.md lists every runtime patch. Nothing here imports
+accelerate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,17 +98,20 @@ def should_reduce_batch_size(exception: Exception) -> bool:
 
 
 def _routing_skip_first_batches(original: Any) -> Any:
+    """``skip_first_batches`` that skips our loaders with ours and any other one with ``original`` (accelerate's)."""
+
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-        if isinstance(dataloader, TrackedIteration) or original is None:  # every loader of ours
+        if isinstance(dataloader, TrackedIteration):  # every loader of ours
             return _our_skip_first_batches(dataloader, num_batches)
         return original(dataloader, num_batches)
 
-    skip_first_batches._trainer_ext = True
     return skip_first_batches
 
 
 def _routing_find_executable_batch_size(original: Any) -> Any:
-    """``find_executable_batch_size`` that runs our trainers' loop once (they shrink the micro-batch themselves)."""
+    """``find_executable_batch_size`` that runs our trainers' loop once (they shrink the micro-batch themselves).
+
+    transformers' own one needs accelerate as soon as ``auto_find_batch_size`` is set."""
 
     def find_executable_batch_size(
         function: Any = None, starting_batch_size: int = 128, auto_find_batch_size: bool = False
@@ -121,7 +129,6 @@ def _routing_find_executable_batch_size(original: Any) -> Any:
             return functools.partial(function, batch_size=starting_batch_size)
         return original(function, starting_batch_size, auto_find_batch_size)
 
-    find_executable_batch_size._trainer_ext = True
     return find_executable_batch_size
 
 
@@ -129,7 +136,7 @@ _installed = False
 
 
 def install() -> None:
-    """Provide the accelerate names transformers' Trainer reaches; idempotent, patches only what is missing."""
+    """Provide the accelerate names transformers' Trainer and arguments reach; idempotent, sets only missing names."""
     global _installed
     if _installed:
         return
@@ -142,19 +149,49 @@ def install() -> None:
         "clear_device_cache": clear_device_cache,
         "release_memory": release_memory,
         "should_reduce_batch_size": should_reduce_batch_size,
+        "skip_first_batches": _our_skip_first_batches,  # any loader: a stock Trainer would fail on the name
     }
     for name, value in fallbacks.items():
         if not hasattr(hf_trainer, name):
             setattr(hf_trainer, name, value)
     if not hasattr(hf_args, "DistributedType"):
         hf_args.DistributedType = DistributedType
-    current = getattr(hf_trainer, "skip_first_batches", None)
-    if not getattr(current, "_trainer_ext", False):
-        hf_trainer.skip_first_batches = _routing_skip_first_batches(current)
-    current = hf_trainer.find_executable_batch_size
-    if not getattr(current, "_trainer_ext", False):
-        hf_trainer.find_executable_batch_size = _routing_find_executable_batch_size(current)
     _installed = True
+
+
+_loop_lock = threading.Lock()
+_loop_depth = 0  # our trainers training now (nested or in threads): the names go back when the last one ends
+_loop_saved: dict[str, tuple[Any, Any]] = {}  # name -> (transformers' binding, ours in its place)
+
+
+@contextlib.contextmanager
+def training_loop_names() -> Iterator[None]:
+    """While it is open, transformers' loop reaches our ``find_executable_batch_size`` and, where accelerate bound
+    its own, a ``skip_first_batches`` routed to ours for our loaders; both are put back when the last one closes."""
+    global _loop_depth
+    install()
+    import transformers.trainer as hf_trainer
+
+    with _loop_lock:
+        if _loop_depth == 0:
+            routes = {"find_executable_batch_size": _routing_find_executable_batch_size}
+            if hf_trainer.skip_first_batches is not _our_skip_first_batches:  # accelerate's: our loaders need ours
+                routes["skip_first_batches"] = _routing_skip_first_batches
+            for name, route in routes.items():
+                original = getattr(hf_trainer, name)
+                _loop_saved[name] = (original, route(original))
+                setattr(hf_trainer, name, _loop_saved[name][1])
+        _loop_depth += 1
+    try:
+        yield
+    finally:
+        with _loop_lock:
+            _loop_depth -= 1
+            if _loop_depth == 0:
+                for name, (original, ours) in _loop_saved.items():
+                    if getattr(hf_trainer, name) is ours:  # left alone if someone rebound it meanwhile
+                        setattr(hf_trainer, name, original)
+                _loop_saved.clear()
 
 
 def accelerator_config(raw: Any) -> Any:

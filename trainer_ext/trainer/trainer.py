@@ -97,7 +97,7 @@ class Trainer(
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
     def __init__(self, model: Any = None, args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
-        _compat.install()  # the accelerate names transformers' training loop reaches, patched in when first needed
+        _compat.install()  # the accelerate names transformers' Trainer reaches, set where missing (docs/runtime-patches.md)
         if args is not None and not isinstance(args, TrainingArguments):
             raise ConfigError(_foreign_arguments(args))
         if args is None:
@@ -113,6 +113,11 @@ class Trainer(
             UnwrapAndSaveCallback(self, save_final=getattr(args, "save_final_model", False)),
         ]
         self.callback_handler = DutyCallbackHandler.wrap(self.callback_handler, duties)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train``; while it runs, its loop's accelerate names lead to ours (``compat``)."""
+        with _compat.training_loop_names():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _fix_loss_kwargs_detection(self) -> None:
         """Only trust token-count normalisation from models whose loss really uses ``num_items_in_batch``."""
