@@ -3,6 +3,10 @@
 The adapted class keeps its own arguments type: ``adapt(SFTTrainer)(args=SFTConfig(...))``. The arguments object is
 re-based on our ``TrainingArguments`` behind the scenes (a dataclass that is both, every field kept), so the trainer's
 ``isinstance`` checks still hold and our device set-up replaces accelerate's.
+
+Both classes carry our names, not the original's: the ones trainer_ext exports print and pickle as
+``trainer_ext.<Name>``, any other as ``trainer_ext.trainer.adapt.<Name>`` (made at run time: instances pickle by
+the original class instead, see ``_reduce_rebased``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,25 @@ from trainer_ext.trainer.training_args import TrainingArguments
 
 # transformers' own Trainer, as our Trainer's base: `trainer-ext launch --swap_trainer` rebinds the public name
 _STOCK_TRAINER: type = Trainer.__bases__[-1]
+# transformers' classes whose adapted class trainer_ext exports under the same name (trainer/seq2seq.py)
+_EXPORTED = ("Seq2SeqTrainer", "Seq2SeqTrainingArguments")
+
+
+def _our_name(cls: type) -> tuple[str, str]:
+    """``(__module__, __qualname__)`` for the class made from ``cls``: trainer_ext's public name where it exports one,
+    else ``cls``'s name in this module."""
+    for name in _EXPORTED:
+        if cls is getattr(transformers, name):
+            return "trainer_ext", name
+    return __name__, cls.__name__
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """``cls``'s field annotations resolved where ``cls`` is defined (the made class lives in another module)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation naming what is not importable here: kept as written
+        return {}
 
 
 @functools.cache
@@ -36,20 +59,20 @@ def rebased_arguments_class(cls: type) -> type:
         raise ConfigError(f"{cls!r} is not a transformers.TrainingArguments subclass")
     if cls is _STOCK_ARGUMENTS:
         return TrainingArguments
+    module, name = _our_name(cls)
     namespace: dict[str, Any] = {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
+        "__module__": module,
+        "__qualname__": name,
         "__doc__": cls.__doc__,
         "__annotations__": {},
         "_trainer_ext_rebased_from": cls,
         "__reduce_ex__": _reduce_rebased,
     }
+    hints = _field_types(cls)
     for spec in dataclasses.fields(cls):  # cls's defaults win over the ones ours inherited from transformers
-        namespace["__annotations__"][spec.name] = spec.type
+        namespace["__annotations__"][spec.name] = hints.get(spec.name, spec.type)
         namespace[spec.name] = copy.copy(spec)
-    return dataclasses.dataclass(
-        types.new_class(cls.__name__, (TrainingArguments, cls), {}, lambda ns: ns.update(namespace))
-    )
+    return dataclasses.dataclass(types.new_class(name, (TrainingArguments, cls), {}, lambda ns: ns.update(namespace)))
 
 
 def _reduce_rebased(self: Any, protocol: int) -> tuple:
@@ -145,12 +168,13 @@ def adapt(trainer_cls: type) -> type:
             keywords["args"] = rebase_arguments(arguments)
         Trainer.__init__(self, **keywords)
 
+    module, name = _our_name(trainer_cls)
     namespace = {
-        "__module__": trainer_cls.__module__,
-        "__qualname__": trainer_cls.__qualname__,
+        "__module__": module,
+        "__qualname__": name,
         "__doc__": f"{trainer_cls.__name__} on trainer_ext's engine (trainer_ext.adapt).",
         "__init__": __init__,
         "_trainer_ext_adapted_from": trainer_cls,
     }
     __init__.__signature__ = signature  # type: ignore[attr-defined]  (help() and IDEs show the trainer's own)
-    return types.new_class(trainer_cls.__name__, (Trainer, trainer_cls), {}, lambda ns: ns.update(namespace))
+    return types.new_class(name, (Trainer, trainer_cls), {}, lambda ns: ns.update(namespace))
