@@ -18,7 +18,6 @@ Deliberate differences are listed in ``ALLOWED``, each with its reason; everythi
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -26,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.parity_harness.compare import compare_main, is_number, short
 
 DEFAULT_RTOL = 1e-5
 # (pattern on the value's path, relative tolerance): the first match wins
@@ -36,6 +37,7 @@ TOLERANCES: list[tuple[str, float]] = [
 ]
 WEIGHTS_RTOL = 1e-5
 MAX_ITEMS_SHOWN = 12
+SHOWN_CHARS = 300  # of one value in a difference's line
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ class Difference:
     def describe(self) -> str:
         if self.kind in ("only in stock", "only in ours", "no result"):
             return f"{self.path}: {self.kind}: {self.item}"
-        return f"{self.path}: {self.kind}: stock {short(self.stock)} | ours {short(self.ours)}"
+        return (
+            f"{self.path}: {self.kind}: stock {short(self.stock, SHOWN_CHARS)} | ours {short(self.ours, SHOWN_CHARS)}"
+        )
 
 
 # The refusals trainer_ext makes when the TrainingArguments are built, where stock fails later inside train()
@@ -168,11 +172,6 @@ ALLOWED: list[Allowed] = [
 ]
 
 
-def short(value: Any, limit: int = 300) -> str:
-    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def tolerance(path: str) -> float:
     for pattern, rtol in TOLERANCES:
         if re.search(pattern, path):
@@ -182,10 +181,6 @@ def tolerance(path: str) -> float:
 
 def close(a: float, b: float, rtol: float, atol: float = 0.0) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class Comparison:
@@ -394,13 +389,7 @@ def compare_files(stock_path: str | Path, ours_path: str | Path) -> Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stock", help="run_scenario result of --impl stock")
-    parser.add_argument("ours", help="run_scenario result of --impl ours")
-    options = parser.parse_args(argv)
-    report = compare_files(options.stock, options.ours)
-    print(report.text())
-    return 0 if report.ok else 1
+    return compare_main(compare_files, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

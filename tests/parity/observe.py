@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from tests.parity_harness.workload import files_under
+
 # Metric keys whose values depend on the clock or the allocator: their presence is compared, never their value.
 VOLATILE = re.compile(r"(_runtime$|_per_second$|_preparation_time$|_mem_|^total_flos$)")
 
@@ -103,12 +105,6 @@ def weights(model: torch.nn.Module) -> dict[str, Any]:
             "abs_sum": jsonable(as64.abs().sum().item()),
         }
     return {"sha256": digest.hexdigest(), "tensors": tensors}
-
-
-def files(root: Path) -> list[str]:
-    """Every file under ``root`` (recursively), as sorted relative paths: what a run left on disk."""
-    root = Path(root)
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
 def callback_names(trainer: Any, exclude: tuple[type, ...] = ()) -> list[str]:
@@ -222,7 +218,7 @@ def finish(result: dict[str, Any], trainer: Any, workdir: Path, recorder: Record
     result["best_model_checkpoint"] = relative(trainer.state.best_model_checkpoint, workdir)
     result["best_metric"] = jsonable(trainer.state.best_metric)
     result["weights"] = weights(trainer.model) if trainer.model is not None else None
-    result["files"] = files(workdir)
+    result["files"] = files_under(workdir)
     if recorder is not None:
         result["callbacks_at_init"] = recorder.at_init
         result["callbacks_at_train_begin"] = recorder.at_train_begin

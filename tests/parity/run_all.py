@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tests.parity_harness.registry import matching
+from tests.parity_harness.runner import batch_command, result_path, side_by_side
 
 from .compare import compare
 
@@ -41,48 +42,28 @@ def scenario_names() -> list[str]:
     return names
 
 
-def run_batch(impl: str, names: list[str], outdir: Path, timeout: float | None = None) -> tuple[float, str]:
-    """The scenarios under one implementation: one process imports it, then forks one child per scenario."""
-    command = [sys.executable, "-m", "tests.parity.run_scenario", "--impl", impl, "--outdir", str(outdir)]
-    for name in names:
-        command += ["--scenario", name]
-    started = time.perf_counter()
-    process = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=timeout or 60 + TIMEOUT_S * len(names),
-        cwd=HERE.parent.parent,  # the repository root: `-m tests.parity.run_scenario` is found there
-    )
-    output = (process.stdout + process.stderr)[-6000:]
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}:\n{output}")
-    return time.perf_counter() - started, output
-
-
 def run_both(names: list[str], outdir: Path, ours: str = "ours") -> dict[str, dict[str, dict]]:
     """Every named scenario under stock and under ours (the two implementations side by side).
 
-    Returns ``{name: {"stock": result, "ours": result}}``; a result that could not be read is a harness error.
+    Each implementation gets one process that imports it, then forks one child per scenario. Returns
+    ``{name: {"stock": result, "ours": result}}``; a result that could not be read is a harness error.
     """
     outdir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {impl: pool.submit(run_batch, impl, names, outdir) for impl in ("stock", ours)}
-        failures = {}
-        for impl, future in futures.items():
-            try:
-                future.result()
-            except Exception as exc:  # reported per scenario below
-                failures[impl] = str(exc)
+    scenarios = [arg for name in names for arg in ("--scenario", name)]
+    failures = side_by_side(
+        lambda impl: batch_command("tests.parity.run_scenario", impl, "--outdir", str(outdir), *scenarios),
+        ("stock", ours),
+        timeout=60 + TIMEOUT_S * len(names),
+    )
     results: dict[str, dict[str, dict]] = {}
     for name in names:
         results[name] = {}
         for impl, side in (("stock", "stock"), (ours, "ours")):
-            path = outdir / f"{name}.{impl}.json"
+            path = result_path(outdir, name, impl)
             if path.exists():
                 results[name][side] = json.loads(path.read_text())
             else:
-                results[name][side] = {"harness_error": failures.get(impl, f"no result at {path}")}
+                results[name][side] = {"harness_error": failures[impl] or f"no result at {path}"}
     return results
 
 
@@ -92,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outdir", help="where the JSON results go (default: a temporary folder, kept)")
     parser.add_argument("--ours", default="ours", choices=("ours", "ours+accelerate"))
     options = parser.parse_args(argv)
-    names = [n for n in scenario_names() if not options.k or any(k in n for k in options.k)]
+    names = matching(scenario_names(), options.k)
     outdir = Path(options.outdir or tempfile.mkdtemp(prefix="parity-results-"))
     started = time.perf_counter()
     results = run_both(names, outdir, options.ours)

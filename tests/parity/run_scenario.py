@@ -4,19 +4,16 @@
     python -m tests.parity.run_scenario --impl ours --scenario A --scenario B --outdir DIR   (one fork each)
     python -m tests.parity.run_scenario --list
 
-(from the repository root, or with it on PYTHONPATH: the harness is the package ``tests.parity``.)
+(from the repository root, or with it on PYTHONPATH: the Trainer scenario set is the package ``tests.parity``.)
 
 ``stock`` is ``transformers.Trainer``/``TrainingArguments`` (with accelerate). ``ours`` is trainer_ext's pair
-with accelerate hidden from the import system, as where it is not installed (transformers then sees no
-accelerate, and trainer_ext importing it would fail the scenario). peft is hidden with it: peft imports
-accelerate, so an environment without accelerate has no peft either (and transformers, seeing peft, would
-import it). ``ours+accelerate`` leaves both importable.
+with accelerate and peft hidden from the import system (``tests.parity_harness.workload``); ``ours+accelerate``
+leaves both importable.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
 import json
 import os
 import re
@@ -29,41 +26,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tests.parity_harness.runner import result_path
+from tests.parity_harness.workload import set_up, versions
+
 IMPLS = ("stock", "ours", "ours+accelerate")
-
-
-# Hidden from ``ours``: accelerate, and the packages that cannot be installed without it (peft imports it).
-HIDDEN = ("accelerate", "peft")
-
-
-class _HideAccelerate(importlib.machinery.PathFinder):
-    """The path finder, blind to ``HIDDEN`` (``find_spec`` answers None, as when they are not installed)."""
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        if fullname.split(".", 1)[0] in HIDDEN:
-            return None
-        return super().find_spec(fullname, path, target)
-
-
-def hide_accelerate() -> None:
-    sys.meta_path[:] = [_HideAccelerate if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-
-
-def quiet_and_deterministic() -> None:
-    """One CPU thread (the same reductions in both processes), no GPU, no hub, no progress bars."""
-    for name, value in {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "WANDB_MODE": "disabled",
-    }.items():
-        os.environ[name] = value
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "trainer_ext", "datasets")  # their versions go in meta
 
 
 def load_impl(name: str) -> Any:
@@ -99,23 +66,9 @@ def normalise(value: Any, workdir: Path) -> Any:
     return value
 
 
-def versions(impl: str) -> dict[str, str | None]:
-    from importlib import metadata
-
-    found: dict[str, str | None] = {}
-    for package in ("torch", "transformers", "accelerate", "peft", "trainer_ext", "datasets"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
-
-
 def prepare(impl_name: str) -> tuple[Any, dict[str, Any]]:
     """Set the process up for one implementation; import it and the scenarios (before any fork)."""
-    if impl_name == "ours":
-        hide_accelerate()
-    quiet_and_deterministic()
+    set_up(impl_name)
     registry = load_scenarios()
     import torch
 
@@ -144,7 +97,7 @@ def meta(impl_name: str, scenario: str, started: float) -> dict[str, Any]:
         "accelerate_imported": "accelerate" in sys.modules,
         "peft_imported": "peft" in sys.modules,
         "trainer_ext_imported": "trainer_ext" in sys.modules,
-        "versions": versions(impl_name),
+        "versions": versions(PACKAGES),
     }
 
 
@@ -228,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         outdir = Path(options.outdir)
         outdir.mkdir(parents=True, exist_ok=True)
         for name in options.scenario:
-            run_forked(impl, registry, name, outdir / f"{name}.{options.impl}.json", options.keep, options.timeout)
+            run_forked(impl, registry, name, result_path(outdir, name, options.impl), options.keep, options.timeout)
     else:
         out = Path(options.out) if options.out else None
         workdir = Path(options.workdir) if options.workdir else None

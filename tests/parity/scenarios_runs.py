@@ -15,8 +15,9 @@ import torch
 from transformers import set_seed
 
 from tests.helpers.ranks import child_env
+from tests.parity_harness.workload import files_under
 
-from .observe import error, files, jsonable, metrics, stage
+from .observe import error, jsonable, metrics, stage
 from .registry import SCENARIOS, Impl, scenario
 from .script import Script, train
 from .workload import (
@@ -67,7 +68,7 @@ def resume_and_check(
     resumed = resumable_run(impl, workdir, output_dir, resume, None)
     result["resumed"] = resumed.finish()
     del result["resumed"]["files"]
-    result["files"] = files(workdir)
+    result["files"] = files_under(workdir)
     result["resumed_equals_uninterrupted"] = {
         "weights_bitwise": result["resumed"]["weights"]["sha256"] == result["uninterrupted"]["weights"]["sha256"],
         "step_logs": step_logs(result["resumed"]) == step_logs(result["uninterrupted"]),
@@ -83,7 +84,7 @@ def resume_after_interruption(impl: Impl, workdir: Path) -> dict[str, Any]:
     interrupted = crashed.result
     interrupted["global_step"] = crashed.trainer.state.global_step
     interrupted["batches"] = crashed.tap.summary()
-    interrupted["files_after_crash"] = files(workdir / "interrupted")
+    interrupted["files_after_crash"] = files_under(workdir / "interrupted")
     return resume_and_check(impl, workdir, workdir / "interrupted", {"interrupted": interrupted})
 
 
@@ -107,7 +108,7 @@ def crashed_by_the_other(impl: Impl, workdir: Path) -> dict[str, Any]:
     first_half = json.loads((workdir / "first_half.json").read_text())
     (workdir / "first_half.json").unlink()
     interrupted = first_half.get("result", first_half)
-    interrupted["files_after_crash"] = files(workdir / "interrupted")
+    interrupted["files_after_crash"] = files_under(workdir / "interrupted")
     return interrupted
 
 
@@ -263,7 +264,7 @@ def arguments_surface(impl: Impl, workdir: Path) -> dict[str, Any]:
         "is_world_process_zero": trainer.is_world_process_zero(),
         "args_is_same_object": trainer.args is args,
     }
-    result["files"] = files(workdir)
+    result["files"] = files_under(workdir)
     return result
 
 

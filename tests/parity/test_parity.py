@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
+from tests.parity_harness.compare import check
+from tests.parity_harness.registry import selected
 
 from .compare import compare
 from .run_all import run_both, scenario_names
@@ -33,19 +35,12 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     require_accelerate(
         "run the parity suite in the peft environment, pip install -e '.[dev,peft]' (tests/parity/README.md)"
     )  # not skipped: CI requires accelerate
-    selected = {
-        item.callspec.params["scenario"]
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-    }
-    names = [name for name in scenario_names() if name in selected]
+    chosen = set(selected(request, "scenario"))
+    names = [name for name in scenario_names() if name in chosen]
     outdir = Path(os.environ.get("PARITY_RESULTS") or tmp_path_factory.mktemp("parity"))
     return run_both(names, outdir, OURS)
 
 
 @pytest.mark.parametrize("scenario", scenario_names())
 def test_parity(scenario: str, results: dict[str, dict]) -> None:
-    report = compare(results[scenario]["stock"], results[scenario]["ours"], scenario)
-    print(report.text())
-    if not report.ok:
-        pytest.fail(report.text(), pytrace=False)
+    check(compare(results[scenario]["stock"], results[scenario]["ours"], scenario))
