@@ -28,7 +28,7 @@ from trainer_ext.checkpointing.commit import commit, set_aside, staging
 from trainer_ext.checkpointing.links import refuse_link, refuse_links_under
 from trainer_ext.checkpointing.marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker
 from trainer_ext.checkpointing.saving import tied_groups, unique_state_dict
-from trainer_ext.checkpointing.selection import newest_state
+from trainer_ext.checkpointing.selection import newest_own_state
 from trainer_ext.checkpointing.together import verify_together
 from trainer_ext.checkpointing.verification import seal_hint
 from trainer_ext.errors import ConfigError
@@ -399,5 +399,6 @@ def _is_tied(model: torch.nn.Module, name: str) -> bool:
 
 
 def latest_state(root: Path) -> Path:
-    """The ``save_state`` folder under ``root`` that ``load_state()`` resumes: :func:`.selection.newest_state`."""
-    return newest_state(root)
+    """The ``save_state`` folder of ours under ``root`` committed last (a clear error if none); what ``load_state()``
+    resumes, accelerate's folders included, is :func:`.selection.newest_state`."""
+    return newest_own_state(root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch.distributed as dist
@@ -27,6 +28,7 @@ AUTO = "auto"
 # the one boolean vocabulary (values.py), plus what only a resume request can mean
 NEWEST_WORDS = (*TRUE_WORDS, "latest", "last")
 NO_WORDS = (*FALSE_WORDS, "none", "")
+NUMBERED_STATE = re.compile(r"checkpoint_(\d+)")  # a loop's folder named by automatic checkpoint naming
 
 
 def resume_request(value: str | os.PathLike | bool | None) -> bool | str | None:
@@ -135,9 +137,8 @@ def verify_requested(path: str | os.PathLike, *, part: tuple[int, int] = (0, 1))
         raise ConfigError(f"refusing to resume from {os.fspath(path)!r}: {error}") from error
 
 
-def newest_state(root: str | os.PathLike) -> Path:
-    """The ``save_state`` folder under ``root`` that ``load_state()`` resumes (committed last); a clear error if
-    none. A save interrupted while swapping folders is named by its folder (see :func:`_committed`)."""
+def newest_own_state(root: Path) -> Path:
+    """The ``save_state`` folder of ours under ``root`` committed last; a clear error if none."""
     chosen, _ = newest_complete(root, LOOP, verify=False)
     if chosen is None:
         raise ConfigError(
@@ -145,3 +146,41 @@ def newest_state(root: str | os.PathLike) -> Path:
             "checkpoint directory"
         )
     return chosen
+
+
+def numbered_states(root: Path) -> list[tuple[int, Path]]:
+    """The ``checkpoint_<n>`` folders automatic checkpoint naming wrote under ``root``, with their numbers."""
+    found = (NUMBERED_STATE.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
+    return [(int(match.group(1)), root / match.group(0)) for match in found if match]
+
+
+def _saved_at(folder: Path) -> int:
+    """When a loop's checkpoint was committed: its marker's time (ours), else its newest file's (accelerate's)."""
+    if (folder / COMPLETE).is_file():
+        return (folder / COMPLETE).stat().st_mtime_ns
+    if not folder.is_dir():  # ours, interrupted while replacing it: its complete copy is beside it
+        copies = (folder.with_name(f".{folder.name}{end}") / COMPLETE for end in (".saving", ".replaced"))
+        return max((marker.stat().st_mtime_ns for marker in copies if marker.is_file()), default=0)
+    return max((entry.stat().st_mtime_ns for entry in folder.iterdir() if entry.is_file()), default=0)
+
+
+def newest_state(root: str | os.PathLike) -> Path:
+    """The checkpoint ``load_state()`` resumes under ``root``: the ``save_state`` folder of ours committed last
+    (:func:`newest_complete` with ``kind="loop"``), or accelerate's highest ``checkpoint_<n>`` (its rule) when that
+    one is newer (a job started under accelerate). ConfigError when there is neither."""
+    from trainer_ext.checkpointing.accelerate_format import is_accelerate_checkpoint  # it builds on loop_state
+
+    root = Path(root)
+    found = numbered_states(root) if root.is_dir() else []
+    theirs = [pair for pair in found if is_accelerate_checkpoint(pair[1])]
+    if not theirs:
+        return newest_own_state(root)
+    newest = max(theirs)[1]
+    try:
+        ours = newest_own_state(root)
+    except ConfigError:
+        return newest
+    mine, other = NUMBERED_STATE.fullmatch(ours.name), NUMBERED_STATE.fullmatch(newest.name)
+    if mine is not None and other is not None:
+        return ours if int(mine.group(1)) > int(other.group(1)) else newest
+    return ours if _saved_at(ours) >= _saved_at(newest) else newest
