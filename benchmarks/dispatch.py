@@ -2,7 +2,7 @@
 
     python benchmarks/dispatch.py [--size test|small] [--repeats 20] [--json out.json]
 
-``test`` is the model of tests/dispatch (4 Llama layers of width 64, 0.6 MiB); ``small`` has 8 layers of
+``test`` is the model of tests/inference (4 Llama layers of width 64, 0.6 MiB); ``small`` has 8 layers of
 width 512 (74 MiB). Each layout runs a forward on a (2, 32) batch and a greedy generation of 16 tokens;
 the time is the best of ``repeats`` round-robin runs after one warm-up, and the ratio is against the
 model run whole (undispatched). Layouts: ``dispatched, all in RAM`` (hooks only) and ``CPU + disk`` (a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dispatch.dispatch_models import make_llama
+from tests.inference.dispatch_models import make_llama
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Run under torchrun: every rank dispatches its own copy of the test model over CPU and disk.
 
-``python -m tests.dispatch.dispatch_ranks OUT_DIR OFFLOAD_DIR``: each rank generates for its half of the prompts;
+``python -m tests.inference.dispatch_ranks OUT_DIR OFFLOAD_DIR``: each rank generates for its half of the prompts;
 rank 0 writes all tokens, the per-rank default budgets and the offload folders to OUT_DIR/result.json.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.dispatch.dispatch_models import make_llama, prompt
+from tests.inference.dispatch_models import make_llama, prompt
 from trainer_ext.inference import dispatch_model
 from trainer_ext.inference.devices import resolve_max_memory
 

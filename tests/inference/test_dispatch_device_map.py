@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dispatch.dispatch_models import EMBED, LAYER, make_gpt2, make_llama
+from tests.inference.dispatch_models import EMBED, LAYER, make_gpt2, make_llama
 from trainer_ext.errors import ConfigError
 from trainer_ext.inference import infer_auto_device_map, normalize_device, parse_size
 from trainer_ext.inference.devices import device_order, resolve_max_memory

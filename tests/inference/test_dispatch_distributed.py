@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dispatch.dispatch_models import make_llama, prompt
 from tests.helpers.ranks import run_ranks
+from tests.inference.dispatch_models import make_llama, prompt
 from trainer_ext.inference.devices import available_cpu_memory
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 def test_each_rank_dispatches_its_own_copy(tmp_path: Path) -> None:
     out, offload = tmp_path / "out", tmp_path / "offload"
     out.mkdir()
-    run_ranks("tests.dispatch.dispatch_ranks", 2, str(out), str(offload))
+    run_ranks("tests.inference.dispatch_ranks", 2, str(out), str(offload))
     result = json.loads((out / "result.json").read_text())
     expected = make_llama().generate(prompt(batch=4), max_new_tokens=6, do_sample=False)
     assert result["tokens"] == expected.tolist()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dispatch.dispatch_models import make_llama
+from tests.inference.dispatch_models import make_llama
 from trainer_ext.errors import ConfigError
 from trainer_ext.inference import dispatch_model, infer_auto_device_map
 from trainer_ext.inference.inventory import Inventory

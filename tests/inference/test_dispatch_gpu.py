@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.dispatch.dispatch_models import make_llama, prompt
+from tests.inference.dispatch_models import make_llama, prompt
 from trainer_ext.inference import dispatch_model, load_checkpoint_and_dispatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.dispatch.dispatch_models import llama_config, prompt
+from tests.inference.dispatch_models import llama_config, prompt
 from trainer_ext.errors import ConfigError
 from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch, loading
 
@@ -34,7 +34,7 @@ def _load(path: Path, model: object = None) -> torch.nn.Module:
 CHILD = """
 import sys
 from transformers import LlamaForCausalLM
-from tests.dispatch.dispatch_models import llama_config
+from tests.inference.dispatch_models import llama_config
 from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch
 from trainer_ext.errors import ConfigError
 for path in sys.argv[1:]:

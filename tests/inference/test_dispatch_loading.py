@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from tests.dispatch.dispatch_models import llama_config, make_llama, prompt
+from tests.inference.dispatch_models import llama_config, make_llama, prompt
 from trainer_ext.errors import ConfigError
 from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch
 

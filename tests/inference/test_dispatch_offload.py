@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
-from tests.dispatch.dispatch_models import make_gpt2, make_llama, prompt
+from tests.inference.dispatch_models import make_gpt2, make_llama, prompt
 from trainer_ext.errors import ConfigError
 from trainer_ext.inference import dispatch_model, dispatch_summary, remove_hooks, send_to_device
 from trainer_ext.inference.hooks import DispatchHook, Fetch, Resident

@@ -23,7 +23,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the dev extra installs hy
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.dispatch.dispatch_models import llama_config, prompt  # noqa: E402
+from tests.inference.dispatch_models import llama_config, prompt  # noqa: E402
 from trainer_ext.errors import ConfigError  # noqa: E402
 from trainer_ext.inference import init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 

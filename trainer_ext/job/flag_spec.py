@@ -1,8 +1,8 @@
 """The flags of ``trainer-ext train`` as data, so that ``--help`` and bad input answer before torch is imported.
 
 The flags come from ``TrainJobArguments`` through transformers' ``HfArgumentParser``, which needs torch and
-transformers (seconds under load). A spec of them — each flag's names, type, choices, default and help — ships beside
-this module (``train_flags.json``), keyed by the transformers version and a hash of our arguments' source files; when
+transformers (seconds under load). A spec of them — each flag's names, type, choices, default and help — ships in
+``job/data/train_flags.json``, keyed by the transformers version and a hash of our arguments' source files; when
 the key does not match (another transformers, an edited checkout) the spec is rebuilt from the parser once and kept
 in the user's cache folder. ``tests/test_flag_spec.py`` checks the shipped file is current; after a flag changes,
 ``python -m trainer_ext.job.flags`` rewrites it.
