@@ -9,18 +9,17 @@ choices are opt-in (``scheduler_counts_optimizer_steps=True``, ``fsdp_config=``,
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import os
-import warnings
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
-from trainer_ext.accelerator.checkpoints import CheckpointsMixin
+from trainer_ext.accelerator.checkpoints import StateCheckpoints, unwrap_module
 from trainer_ext.accelerator.options import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -30,39 +29,44 @@ from trainer_ext.accelerator.options import (
     InitProcessGroupKwargs,
     ProfileKwargs,
     ProjectConfiguration,
-    split_handlers,
 )
-from trainer_ext.accelerator.processes import ProcessesMixin
-from trainer_ext.accelerator.scheduler import PreparedScheduler, is_scheduler
+from trainer_ext.accelerator.preparing import (
+    prepared_scheduler,
+    refuse_device_map,
+    refuse_lone_dummy_optim,
+    register_comm_hook,
+    schedulers_among,
+    show_loop_objects,
+    spread_by_device_map,
+)
+from trainer_ext.accelerator.processes import join_uneven_inputs, runs_on, unconfigured
+from trainer_ext.accelerator.scheduler import PreparedScheduler
 from trainer_ext.accelerator.setup import (
-    accumulation_settings,
+    build_engine,
     dataloader_configuration,
-    deepspeed_settings,
-    fsdp_settings,
-    launched_deepspeed_config,
+    known_handlers,
     refuse_plugins,
     rng_types_for,
-    strategy_settings,
 )
-from trainer_ext.accelerator.tracking import TrackingMixin
+from trainer_ext.accelerator.step import check_lomo, count_micro_batch, profiled, trigger_sync_in_backward, unscale
+from trainer_ext.accelerator.tracking import Trackers
 from trainer_ext.distributed.data.loader import skip_first_batches as _skip_first_batches
-from trainer_ext.distributed.engine import Engine
-from trainer_ext.distributed.rules import check_precision
-from trainer_ext.distributed.state import DistributedType, DistState
+from trainer_ext.distributed.state import DistributedType
 from trainer_ext.distributed.strategies.deepspeed.plugin import (
-    DeepSpeedPlugin,
-    DummyOptim,
-    DummyScheduler,
     SteppedByEngine,
 )
 from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings
-from trainer_ext.env_vars import MIXED_PRECISION as _ENV_PRECISION
-from trainer_ext.errors import ConfigError
-from trainer_ext.trackers import Tracker, resolve_trackers
+from trainer_ext.trackers import Tracker
 
 
-class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
-    """Device placement, DDP/FSDP2/DeepSpeed, mixed precision, accumulation, collectives, checkpoints, trackers."""
+class Accelerator:
+    """Device placement, DDP/FSDP2/DeepSpeed, mixed precision, accumulation, collectives, checkpoints, trackers.
+
+    It holds an :class:`Engine` (the step, collectives, ``state``), a :class:`StateCheckpoints` (files) and
+    :class:`Trackers`; each public name forwards to one of them. Where accelerate's own methods call another public
+    method (``save_state`` and ``wait_for_everyone``, ``clear`` and ``free_memory``), ours do too, so a subclass's
+    override takes part.
+    """
 
     deepspeed_max_grad_norm: float = 1.0  # what a DeepSpeed config's gradient_clipping "auto" becomes
 
@@ -102,89 +106,33 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(os.fspath(project_dir))
         self.dataloader_config = dataloader_configuration(dataloader_config, split_batches, even_batches)
-        handlers = split_handlers(kwargs_handlers)
+        handlers = known_handlers(kwargs_handlers)
         self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
         self.scaler_handler = handlers.get(GradScalerKwargs)
         self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
         self.profile_handler = handlers.get(ProfileKwargs)
-        known = (
-            DistributedDataParallelKwargs,
-            GradScalerKwargs,
-            InitProcessGroupKwargs,
-            AutocastKwargs,
-            ProfileKwargs,
-        )
-        for cls in handlers:
-            if cls not in known:
-                raise ConfigError(
-                    f"Unsupported kwargs handler passed: {cls.__name__}; kwargs_handlers takes "
-                    f"{', '.join(k.__name__ for k in known)}"
-                )
-        init = self.init_handler.to_kwargs() if self.init_handler is not None else {}
-        if init.get("init_method") is not None:
-            warnings.warn(
-                "InitProcessGroupKwargs(init_method=...) is not used: the process group starts from the launcher's "
-                "environment (MASTER_ADDR/MASTER_PORT)",
-                stacklevel=2,
-            )
-        state = DistState(cpu=cpu, timeout=init.get("timeout", timeout), backend=init.get("backend"))
-        mode = str(mixed_precision or os.environ.get(_ENV_PRECISION) or "no")
-        check_precision(mode, state.device)
-        fsdp_named = fsdp_config is not None or fsdp_plugin is not None
-        if deepspeed_plugin is None and deepspeed_plugins is None and deepspeed_config is None:
-            deepspeed_config = launched_deepspeed_config(fsdp_named)
-        ds_config, ds_plugin = deepspeed_settings(deepspeed_plugin, deepspeed_plugins, deepspeed_config)
-        fsdp, fsdp_view = fsdp_settings(fsdp_plugin, fsdp_config, ds_config is not None)
-        strategy, options = strategy_settings(fsdp, ds_config, self.ddp_handler)
-        config = self.dataloader_config
         self.rng_types = rng_types_for(rng_types)
-        self.engine = Engine(
-            state,
-            mixed_precision=mode,
-            seed=config.data_seed if config.data_seed is not None else seed,
-            split_batches=config.split_batches,
-            dispatch_batches=config.dispatch_batches,
-            even_batches=config.even_batches,
-            use_seedable_sampler=config.use_seedable_sampler,
-            rng_types=self.rng_types,
-            strategy=strategy,
-            strategy_options=options,
-            device_placement=device_placement,
-            torch_compile={"backend": str(dynamo_backend).lower()}
-            if dynamo_backend not in (None, "no", "NO")
-            else None,
-            gradient_accumulation_plugin_kwargs=accumulation_settings(
-                gradient_accumulation_steps, gradient_accumulation_plugin
-            ),
-            scaler_kwargs=self.scaler_handler.to_kwargs() if self.scaler_handler is not None else None,
-            autocast_kwargs=self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None,
-        )
-        state.deepspeed_plugin = ds_plugin
-        state.fsdp_plugin = fsdp_view
-        state.mixed_precision, state.strategy_type = mode, self.engine.distributed_type  # for print(state)
+        self.engine = build_engine(locals(), handlers, self.dataloader_config, self.rng_types)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.scheduler_counts_optimizer_steps = bool(scheduler_counts_optimizer_steps)
         self.step = 0  # micro-batches since the end of the last dataloader (accelerate's count)
-        self.flag_tensor: torch.Tensor | None = None
-        self._trackers_requested = resolve_trackers(log_with)
-        self.trackers: list[Tracker] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._custom: list[Any] = []
-        self._save_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()  # a handle holds it by weak reference
-        self._load_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self.flag_tensor: torch.Tensor | None = None  # set_trigger's flag
+        self._trackers = Trackers(log_with)
+        self._checkpoints = StateCheckpoints(self)
 
-    # -- who and where --------------------------------------------------------------------------
+    # -- who and where: the engine's DistState ---------------------------------------------------
     state = property(lambda self: self.engine.state)
-    device = property(lambda self: self.engine.device)
-    is_main_process = property(lambda self: self.engine.is_main_process)
-    is_local_main_process = property(lambda self: self.engine.is_local_main_process)
+    device = property(lambda self: self.engine.state.device)
+    is_main_process = property(lambda self: self.engine.state.is_main_process)
+    is_local_main_process = property(lambda self: self.engine.state.is_local_main_process)
     is_last_process = property(lambda self: self.engine.state.is_last_process)
-    process_index = property(lambda self: self.engine.process_index)
-    local_process_index = property(lambda self: self.engine.local_process_index)
-    num_processes = property(lambda self: self.engine.num_processes)
+    process_index = property(lambda self: self.engine.state.process_index)
+    local_process_index = property(lambda self: self.engine.state.local_process_index)
+    num_processes = property(lambda self: self.engine.state.num_processes)
     use_distributed = property(lambda self: self.engine.state.use_distributed)
+    # -- the engine, the project and dataloader settings -----------------------------------------
     mixed_precision = property(lambda self: self.engine.mixed_precision)
     scaler = property(lambda self: self.engine.scaler)
     gradient_state = property(lambda self: self.engine.gradient_state)
@@ -197,11 +145,9 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
     non_blocking = property(lambda self: self.dataloader_config.non_blocking)
     use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+    distributed_type = property(lambda self: self.engine.distributed_type)
     is_fsdp2 = property(lambda self: self.distributed_type == DistributedType.FSDP)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return self.engine.distributed_type
+    deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin)  # None without DeepSpeed
 
     @property
     def multi_device(self) -> bool:
@@ -218,11 +164,6 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
     # accelerate's composable-parallelism surface (tensor/context/pipeline parallelism): not configured here
     parallelism_config = None
     torch_device_mesh = None
-
-    @property
-    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
-        """The DeepSpeed settings (``deepspeed_plugin=`` or ``deepspeed_config=``), None without DeepSpeed."""
-        return self.state.deepspeed_plugin
 
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2)
 
@@ -265,80 +206,34 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         are pointed at the replacements), schedulers last.
         """
         placement = device_placement or [self.engine.device_placement] * len(objects)
-        if len(placement) != len(objects):
-            raise ConfigError(
-                f"prepare: device_placement has {len(placement)} entries for {len(objects)} objects; give one "
-                "True/False per object, in the same order"
-            )
-        schedulers = [is_scheduler(o) or isinstance(o, DummyScheduler) for o in objects]
+        schedulers = schedulers_among(objects, placement)
         rest = [o for o, is_scheduler in zip(objects, schedulers, strict=True) if not is_scheduler]
         places = [p for p, is_scheduler in zip(placement, schedulers, strict=True) if not is_scheduler]
-        self._take_loop_objects(objects, schedulers)
-        self._resolve_auto_values(objects)
+        show_loop_objects(
+            self.engine,
+            objects,
+            schedulers,
+            split_batches=self.split_batches,
+            accumulation_steps=self.gradient_accumulation_steps,
+            max_grad_norm=self.deepspeed_max_grad_norm,
+        )
         prepared = self.engine.prepare(*rest, device_placement=places) if rest else ()
         remaining = iter((prepared,) if len(rest) == 1 else prepared)
         out = [self.prepare_scheduler(o) if s else next(remaining) for o, s in zip(objects, schedulers, strict=True)]
-        if any(isinstance(o, DummyOptim) for o in out):
-            raise ConfigError(
-                "a DummyOptim is built by DeepSpeed together with its model: pass the model and the DummyOptim to the "
-                "same prepare() call"
-            )
+        refuse_lone_dummy_optim(out)
         for obj in out:
-            self._register_comm_hook(obj)
+            register_comm_hook(self.ddp_handler, obj)
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _register_comm_hook(self, obj: Any) -> None:
-        """``DistributedDataParallelKwargs(comm_hook=...)``: installed on each model DDP wrapped, as in accelerate."""
-        ddp = isinstance(obj, torch.nn.parallel.DistributedDataParallel)
-        if ddp and self.ddp_handler is not None and not getattr(obj, "_trainer_ext_comm_hook", False):
-            self.ddp_handler.register_comm_hook(obj)
-            obj._trainer_ext_comm_hook = True
-
-    def _take_loop_objects(self, objects: tuple[Any, ...], schedulers: list[bool]) -> None:
-        """Let the strategy check the optimizer and scheduler against its own (DeepSpeed's blocks, placeholders)."""
-        optimizer = next((o for o in objects if isinstance(o, torch.optim.Optimizer | DummyOptim)), None)
-        scheduler = next((o for o, s in zip(objects, schedulers, strict=True) if s), None)
-        schedule = None
-        if isinstance(scheduler, DummyScheduler):
-            # accelerate's reading: the total was counted over the unsharded loader, once per process
-            total = scheduler.total_num_steps
-            if total is not None and not self.split_batches:
-                total = math.ceil(total / self.num_processes)
-            schedule = (total, scheduler.warmup_num_steps)
-        self.engine.strategy.take_loop_objects(optimizer, scheduler, schedule)
-
-    def _resolve_auto_values(self, objects: tuple[Any, ...]) -> None:
-        """Let the strategy fill settings left to the loop (DeepSpeed's ``"auto"``) from what is being prepared."""
-        loaders = [o for o in objects if isinstance(o, DataLoader)]
-        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer | DummyOptim)]
-        defaults = {}
-        if optimizers:
-            first = optimizers[0]
-            defaults = first.hyper_parameters() if isinstance(first, DummyOptim) else first.defaults
-        self.engine.strategy.resolve_auto_values(
-            micro_batch_size=(loaders[0].batch_size or 1) if loaders else 1,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            max_grad_norm=self.deepspeed_max_grad_norm,
-            optimizer_defaults=defaults,
-            mixed_precision=self.mixed_precision,
-        )
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
-    ):
-        if self.verify_device_map(model) and self.num_processes > 1 and not evaluation_mode:
-            raise ConfigError(
-                "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode. "
-                "Load it on one device per process (no device_map), or run it on one process"
-            )
+    ) -> torch.nn.Module:
+        refuse_device_map(self.verify_device_map(model), self.num_processes, evaluation_mode)
         prepared = self.engine.prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        self._register_comm_hook(prepared)
+        register_comm_hook(self.ddp_handler, prepared)
         return prepared
 
-    @staticmethod
-    def verify_device_map(model: torch.nn.Module) -> bool:
-        """Whether ``model`` (or a submodule) was spread over several devices by a device map (``hf_device_map``)."""
-        return any(len(getattr(module, "hf_device_map", None) or {}) > 1 for module in model.modules())
+    verify_device_map = staticmethod(spread_by_device_map)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.engine.prepare_optimizer(optimizer)
@@ -347,18 +242,10 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         return self.engine.prepare_dataloader(data_loader, device_placement=device_placement)
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler | SteppedByEngine:
-        if isinstance(scheduler, PreparedScheduler | SteppedByEngine):
-            return scheduler
-        if isinstance(scheduler, DummyScheduler):
-            built = self.engine.strategy.backend_scheduler()
-            if built is None:
-                raise ConfigError(
-                    "a DummyScheduler stands for the scheduler DeepSpeed builds with its engine: pass it to the same "
-                    "prepare() call as the model and optimizer"
-                )
-            return SteppedByEngine(built)
-        prepared = PreparedScheduler(scheduler, self, self.step_scheduler_with_optimizer)
-        self._schedulers.append(prepared)
+        """Step ``scheduler`` by accelerate's rule (and include it in ``save_state``)."""
+        prepared, new = prepared_scheduler(self.engine, scheduler, self, self.step_scheduler_with_optimizer)
+        if new:
+            self._checkpoints.schedulers.append(prepared)
         return prepared
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
@@ -372,24 +259,11 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """Backward and update in one for LOMO/AdaLomo optimizers (``lomo-optim``)."""
-        if learning_rate is None:
-            raise ConfigError("A learning rate must be passed in order to call backward pass with LOMO optimizers.")
-        if not any(hasattr(o.optimizer, "fused_backward") for o in self.engine.prepared_optimizers):
-            raise ConfigError(
-                "Backward pass not properly called on LOMO optimizers. Are you sure you passed a LOMO optimizer in "
-                "accelerator.prepare()?"
-            )
+        check_lomo(self.engine, learning_rate)
         self.engine.backward(loss, learning_rate=learning_rate)
 
     def _do_sync(self) -> None:
-        """accelerate's rule: the last batch of a loader syncs and restarts the count; otherwise every N-th does."""
-        plugin = self.gradient_state.plugin_kwargs
-        if plugin.get("sync_with_dataloader", True) and self.gradient_state.end_of_dataloader:
-            self.step = 0
-            self.gradient_state._set_sync_gradients(True)
-        else:
-            self.step += 1
-            self.gradient_state._set_sync_gradients(self.step % self.gradient_accumulation_steps == 0)
+        self.step = count_micro_batch(self.gradient_state, self.step, self.gradient_accumulation_steps)
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -402,26 +276,13 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         with contextlib.ExitStack() as stack:
             if not sync_each_batch:
                 for model in models:
-                    stack.enter_context(self.engine.no_sync(model))
+                    stack.enter_context(self.no_sync(model))
             yield
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.engine.no_sync(model)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
-        """Make the next backward of a DDP model all-reduce its gradients after forwards run under ``no_sync``."""
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            yield
-            return
-        saved = model.require_backward_grad_sync, model.require_forward_param_sync
-        model.require_backward_grad_sync = model.require_forward_param_sync = True
-        model.reducer.prepare_for_backward([])
-        try:
-            yield
-        finally:
-            model.require_backward_grad_sync, model.require_forward_param_sync = saved
+    trigger_sync_in_backward = staticmethod(trigger_sync_in_backward)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
         """Autocast in the mixed-precision mode; ``autocast_handler`` changes ``enabled``/``cache_enabled`` here."""
@@ -430,30 +291,21 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
         # the handler replaces the accelerator's own for this block (torch.autocast's defaults, then its values)
         return self.engine.autocast(**{"enabled": True, "cache_enabled": None, **autocast_handler.to_kwargs()})
 
-    @contextlib.contextmanager
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[torch.profiler.profile]:
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
         """``torch.profiler`` around the block; with ``output_trace_dir`` each process writes its Chrome trace."""
         handler = profile_handler or self.profile_handler or ProfileKwargs()
-        with handler.build() as profiler:
-            yield profiler
-        if handler.output_trace_dir is not None:
-            handler.export_trace(profiler, self.process_index)
-            self.wait_for_everyone()
+        return profiled(handler, self.process_index, self.wait_for_everyone)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self.engine.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        self.engine.unscale_gradients()
+        self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Unscale the fp16 gradients of ``optimizer`` (one, a list, or every prepared one) before reading them."""
-        if optimizer is None:
-            self.engine.unscale_gradients()
-            return
-        for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-            self.engine.precision.unscale_(getattr(opt, "optimizer", opt))
+        unscale(self.engine, optimizer)
 
     # -- collectives ----------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
@@ -470,14 +322,175 @@ class Accelerator(ProcessesMixin, CheckpointsMixin, TrackingMixin):
 
     def end_training(self) -> None:
         """Finish the trackers and tear the process group down."""
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers.clear()
+        self._trackers.finish()
         self.engine.end_training()
 
     def free_memory(self, *objects: Any) -> tuple[Any, ...]:
-        self._schedulers.clear()
+        """Forget the prepared objects (and schedulers), release cached memory; ``objects`` come back as None."""
+        self._checkpoints.schedulers.clear()
         self.step = 0
         return self.engine.free_memory(*objects)
 
-    clear = free_memory
+    def clear(self, *objects: Any) -> tuple[Any, ...]:
+        """accelerate's alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
+
+    # -- who runs what ---------------------------------------------------------------------------
+    def on_main_process(self, function: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the main process only (``None`` elsewhere)."""
+        return runs_on(self, lambda state: state.is_main_process, "on_main_process", function)
+
+    def on_local_main_process(self, function: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the main process of each node only."""
+        return runs_on(self, lambda state: state.is_local_main_process, "on_local_main_process", function)
+
+    def on_last_process(self, function: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """Decorator: run ``function`` on the last process only."""
+        return runs_on(self, lambda state: state.is_last_process, "on_last_process", function)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only (``@accelerator.on_process(process_index=1)``)."""
+        if function is None and isinstance(self, Accelerator):
+            return functools.partial(self.on_process, process_index=process_index)
+        return runs_on(self, lambda state: state.process_index == process_index, "on_process", function)
+
+    def on_local_process(
+        self, function: Callable[..., Any] | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: run ``function`` on local process ``local_process_index`` of each node only."""
+        if function is None and isinstance(self, Accelerator):
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        decide = lambda state: state.local_process_index == local_process_index  # noqa: E731
+        return runs_on(self, decide, "on_local_process", function)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        self.engine.print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """A barrier: every process waits here until all have reached it."""
+        self.engine.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.local_main_process_first()
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+        """This process's contiguous share of a list, tuple, tensor, ``datasets.Dataset`` or dict of them
+        (``apply_padding``: as many for every process, by repeating the last element)."""
+        return self.engine.split_between_processes(inputs, apply_padding=apply_padding)
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; ``check_trigger`` on every process then returns True once."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called ``set_trigger`` since the last check (a collective)."""
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        if self.reduce(self.flag_tensor).item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Train or evaluate DDP models when processes get different numbers of batches (torch's ``Join``);
+        ``even_batches`` overrides the accelerator's inside the block."""
+        return join_uneven_inputs(self.engine, joinables, even_batches, self.even_batches)
+
+    # ranks along parallel dimensions: none is configured (accelerate's answers without a parallelism_config)
+    tensor_parallel_rank = unconfigured("tensor_parallel_rank")
+    pipeline_parallel_rank = unconfigured("pipeline_parallel_rank")
+    context_parallel_rank = unconfigured("context_parallel_rank")
+    data_parallel_rank = unconfigured("data_parallel_rank")
+    data_parallel_shard_rank = unconfigured("data_parallel_shard_rank")
+
+    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""
+        return contextlib.nullcontext()
+
+    # -- trackers --------------------------------------------------------------------------------
+    @property
+    def trackers(self) -> list[Tracker]:
+        """The started trackers (on the main process, after ``init_trackers``)."""
+        return self._trackers.started
+
+    @trackers.setter
+    def trackers(self, value: list[Tracker]) -> None:
+        self._trackers.started = list(value)
+
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, dict] | None = None
+    ) -> None:
+        """Start the trackers from ``log_with`` on the main process; store ``config`` as hyper-parameters."""
+        if self.is_main_process:
+            self._trackers.init(project_name, self.logging_dir, config, init_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name`` (its backend object with ``unwrap``); where it does not run (other ranks,
+        before ``init_trackers``, no ``log_with``) a blank tracker whose every call does nothing."""
+        return self._trackers.get(name, unwrap)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, dict] | None = None) -> None:
+        """Log to every started tracker (main process only); ``log_kwargs[name]`` goes to that tracker's call."""
+        self._trackers.log(values, step, log_kwargs)
+
+    # -- models and training state on disk ---------------------------------------------------------
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
+        return unwrap_module(self.engine, model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        return self.engine.get_state_dict(model, unwrap=unwrap)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save ``obj`` from the main process only (each node's, under ``save_on_each_node``): ``torch.save``, or
+        safetensors for a dict of tensors."""
+        self._checkpoints.save(obj, f, safe_serialization)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: str | int = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model as safetensors (split above ``max_shard_size``) from the main process (each
+        node's with ``save_on_each_node``); all ranks call it (a sharded model is gathered by its strategy)."""
+        self._checkpoints.save_model(model, save_directory, max_shard_size, safe_serialization)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
+        self._checkpoints.register_for_checkpointing(*objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry
+        of ``weights`` leaves that model to the hook. Returns a handle whose ``remove()`` unregisters it."""
+        return self._checkpoints.register_save_state_pre_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs in ``load_state`` before anything is read; removing a model from
+        ``models`` leaves its loading to the hook."""
+        return self._checkpoints.register_load_state_pre_hook(hook)
+
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_: Any
+    ) -> str:
+        """All ranks: everything ``load_state`` restores, committed by a ``COMPLETE`` marker written last; without
+        ``output_dir``, a folder under ``project_dir/checkpoints`` (``ProjectConfiguration`` names it)."""
+        return self._checkpoints.save_state(output_dir, self.step, safe_serialization)
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **_: Any
+    ) -> None:
+        """All ranks, after ``prepare``: restore what ``save_state`` wrote (or accelerate's ``save_state``), including
+        each loader's position; without ``input_dir``, the newest checkpoint under ``project_dir/checkpoints``."""
+        step = self._checkpoints.load_state(input_dir)
+        if step is not None:
+            self.step = step

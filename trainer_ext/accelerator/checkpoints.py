@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -64,50 +65,69 @@ def latest_checkpoint(root: Path) -> Path:
     return ours if _saved_at(ours) >= _saved_at(newest) else newest
 
 
-class CheckpointsMixin:
-    """Saving and loading models and training state from a hand-written loop."""
+def writes_saves(host: Any) -> bool:
+    """Whether this process writes ``save``/``save_model`` files: the main process, or with
+    ``ProjectConfiguration(save_on_each_node=True)`` each node's local main process (accelerate's rule)."""
+    if host.project_configuration.save_on_each_node:
+        return bool(host.is_local_main_process)
+    return bool(host.is_main_process)
+
+
+def unwrap_module(
+    engine: Any, model: torch.nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool
+) -> torch.nn.Module:
+    """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
+    inner = engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+    if not keep_fp32_wrapper:
+        base = engine.unwrap_model(inner, keep_torch_compile=False)
+        if "_original_forward" in base.__dict__:
+            base.forward = base.__dict__.pop("_original_forward")
+            base.__dict__.pop("_trainer_ext_autocast", None)
+    return inner
+
+
+class CheckpointHost(Protocol):
+    """What :class:`StateCheckpoints` asks of its Accelerator: accelerate's public names, called where accelerate's
+    ``save_state``/``load_state``/``save_model`` call them, so that a subclass's overrides take part."""
 
     engine: Any
-    state: Any
-    scaler: Any
-    step: int
-    num_processes: int
-    is_main_process: bool
-    is_local_main_process: bool
-    project_dir: str | None
     project_configuration: Any
-    _schedulers: list[Any]
-    _custom: list[Any]
-    _save_state_pre_hooks: dict[int, Any]
-    _load_state_pre_hooks: dict[int, Any]
 
-    def wait_for_everyone(self) -> None:  # provided by ProcessesMixin
-        raise NotImplementedError
+    @property
+    def is_main_process(self) -> bool: ...
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
-        inner = self.engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
-        if not keep_fp32_wrapper:
-            base = self.engine.unwrap_model(inner, keep_torch_compile=False)
-            if "_original_forward" in base.__dict__:
-                base.forward = base.__dict__.pop("_original_forward")
-                base.__dict__.pop("_trainer_ext_autocast", None)
-        return inner
+    @property
+    def is_local_main_process(self) -> bool: ...
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        return self.engine.get_state_dict(model, unwrap=unwrap)
+    def wait_for_everyone(self) -> None: ...
 
-    def _writes_saves(self) -> bool:
-        """Whether this process writes ``save``/``save_model`` files: the main process, or with
-        ``ProjectConfiguration(save_on_each_node=True)`` each node's local main process (accelerate's rule)."""
-        if self.project_configuration.save_on_each_node:
-            return bool(self.is_local_main_process)
-        return bool(self.is_main_process)
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module: ...
+
+
+class StateCheckpoints:
+    """An Accelerator's models and training state on disk: what ``save_state`` includes (prepared objects, the
+    schedulers and objects registered with it), its pre-hooks, ``save``/``save_model``, and the project's folders."""
+
+    def __init__(self, host: CheckpointHost) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.schedulers: list[Any] = []  # the prepared LR schedulers (accelerate's ``_schedulers``)
+        self.custom: list[Any] = []  # register_for_checkpointing's objects
+        self.save_hooks: OrderedDict[int, Any] = OrderedDict()  # a handle holds it by weak reference
+        self.load_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._warned_pickled_state = False
+
+    @property
+    def config(self) -> Any:
+        """The Accelerator's ``ProjectConfiguration`` (read each time: a script may replace it)."""
+        return self.host.project_configuration
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Save ``obj`` from the main process only (each node's, under ``save_on_each_node``): ``torch.save``, or
         safetensors for a dict of tensors."""
-        if not self._writes_saves():
+        if not writes_saves(self.host):
             return
         if not safe_serialization:
             torch.save(obj, f)
@@ -141,44 +161,44 @@ class CheckpointsMixin:
                 "accelerator.save(accelerator.get_state_dict(model), path) for a torch.save file"
             )
 
-        unwrapped = self.unwrap_model(model, keep_torch_compile=False)
-        self.engine.export_model(unwrapped, save_directory, max_shard_size, writer=self._writes_saves())
-        self.wait_for_everyone()
+        unwrapped = self.host.unwrap_model(model, keep_torch_compile=False)
+        self.engine.export_model(unwrapped, save_directory, max_shard_size, writer=writes_saves(self.host))
+        self.host.wait_for_everyone()
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Extra objects with ``state_dict``/``load_state_dict`` to include in ``save_state``."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"{type(obj).__name__} has no state_dict/load_state_dict; it cannot be checkpointed")
-            self._custom.append(obj)
+            self.custom.append(obj)
 
     def _checkpoint_objects(self) -> dict[str, Any]:
         return {
-            "models": [self.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
+            "models": [self.host.unwrap_model(m, keep_torch_compile=False) for m in self.engine.prepared_models],
             "optimizers": [o.optimizer for o in self.engine.prepared_optimizers],
-            "schedulers": [s.scheduler for s in self._schedulers],
+            "schedulers": [s.scheduler for s in self.schedulers],
             "dataloaders": self.engine.prepared_dataloaders,
-            "scaler": self.scaler,
-            "custom": self._custom,
+            "scaler": self.engine.scaler,
+            "custom": self.custom,
             "strategy": self.engine.strategy,
         }
 
     def _checkpoints_root(self, call: str) -> Path:
-        if self.project_dir is None:
+        if self.config.project_dir is None:
             raise ConfigError(
                 f"{call} needs a directory, or project_dir=... (or project_config=ProjectConfiguration(...)) set on "
                 "the Accelerator"
             )
-        return Path(self.project_dir) / "checkpoints"
+        return Path(self.config.project_dir) / "checkpoints"
 
     def _automatic_folder(self) -> tuple[Path, list[Path]]:
         """``project_dir/checkpoints/checkpoint_<iteration>``, and the oldest folders beyond ``total_limit`` that
         accelerate deletes for it: deleted here only once the new checkpoint is committed (:meth:`_rotate`)."""
         root = self._checkpoints_root("save_state() with automatic_checkpoint_naming")
-        config = self.project_configuration
-        if self.is_main_process:
+        config = self.config
+        if self.host.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
-        self.wait_for_everyone()  # every process looks at the folder after the main one made it
+        self.host.wait_for_everyone()  # every process looks at the folder after the main one made it
         saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
         extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
         doomed = [folder for _, folder in saved[: max(extra, 0)]]
@@ -188,17 +208,17 @@ class CheckpointsMixin:
                 f"Checkpoint directory {folder} ({config.iteration}) already exists. Please manually override "
                 "`self.save_iteration` with what iteration to start with."
             )
-        self.wait_for_everyone()
+        self.host.wait_for_everyone()
         return folder, doomed
 
     def _rotate(self, doomed: list[Path], kept: Path, aside: Path | None) -> None:
         """After a committed save: delete the folders accelerate's rotation deletes (a link: the link itself)."""
-        if self.is_main_process and doomed:
+        if self.host.is_main_process and doomed:
             logger.warning("Deleting %d checkpoints to make room for new checkpoint.", len(doomed))
             for folder in [*doomed, *([aside] if aside is not None else [])]:
                 if folder != kept:  # the new checkpoint took this one's place
                     links.remove_entry(folder)
-        self.wait_for_everyone()  # no process lists the checkpoints while they are being deleted
+        self.host.wait_for_everyone()  # no process lists the checkpoints while they are being deleted
 
     def _set_aside(self, folder: Path) -> Path | None:
         """A doomed ``folder`` about to be reused that is not one of ours (accelerate's): renamed aside, so that a
@@ -207,9 +227,9 @@ class CheckpointsMixin:
         if not folder.is_dir() or folder.is_symlink() or (folder / COMPLETE).is_file():
             return None  # absent, a link (refused by the save) or ours (replaced by the save's own swap)
         links.refuse_link(aside, "the checkpoint set aside")
-        if self.is_main_process:
+        if self.host.is_main_process:
             os.replace(folder, aside)
-        self.wait_for_everyone()
+        self.host.wait_for_everyone()
         return aside
 
     def _hidden_from_hooks(self, model: torch.nn.Module) -> bool:
@@ -220,39 +240,37 @@ class CheckpointsMixin:
         """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry
         of ``weights`` (the models' state dicts) leaves that model to the hook (it may write it into
         ``output_dir`` itself). Returns a handle whose ``remove()`` unregisters it."""
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
+        handle = RemovableHandle(self.save_hooks)
+        self.save_hooks[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, input_dir)`` runs in ``load_state`` before anything is read; removing a model from
         ``models`` leaves its loading to the hook."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
+        handle = RemovableHandle(self.load_hooks)
+        self.load_hooks[handle.id] = hook
         return handle
 
-    def save_state(
-        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **_: Any
-    ) -> str:
+    def save_state(self, output_dir: str | os.PathLike | None, step: int, safe_serialization: bool = True) -> str:
         """All ranks: models, optimizers, schedulers, scaler, RNG of every rank, dataloader positions, registered
         objects; committed by a ``COMPLETE`` marker written last.
 
         With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``project_dir/checkpoints/checkpoint_<i>``,
         keeping ``total_limit``. Without a folder otherwise: ``project_dir/checkpoints/checkpoint``.
         """
-        if not safe_serialization and not getattr(self, "_warned_pickled_state", False):
+        if not safe_serialization and not self._warned_pickled_state:
             self._warned_pickled_state = True  # accelerate's scripts pass it; the folder is ours either way
             logger.warning(
                 "save_state(safe_serialization=False): weights are written as safetensors all the same (load_state "
                 "reads them; pickled weights are not written)"
             )
         doomed: list[Path] = []
-        if self.project_configuration.automatic_checkpoint_naming:
+        if self.config.automatic_checkpoint_naming:
             output_dir, doomed = self._automatic_folder()
         elif output_dir is None:
             output_dir = self._checkpoints_root("save_state()") / "checkpoint"
         objects = self._checkpoint_objects()
-        hooks = list(self._save_state_pre_hooks.values())
+        hooks = list(self.save_hooks.values())
         progress.info(f"Saving current state to {output_dir}")
 
         def before_write(folder: Path) -> None:  # hooks see the folder being written (it becomes output_dir)
@@ -273,27 +291,25 @@ class CheckpointsMixin:
         try:
             path = checkpoint.save_state(
                 output_dir,
-                self.state,
+                self.engine.state,
                 **objects,
-                extra={"step": self.step, "processes": self.num_processes},
+                extra={"step": step, "processes": self.engine.state.num_processes},
                 before_write=before_write,
             )
         except BaseException:
-            if aside is not None and self.is_main_process and not Path(output_dir).exists():
+            if aside is not None and self.host.is_main_process and not Path(output_dir).exists():
                 os.replace(aside, output_dir)  # the save failed: the folder it was to replace is back
             raise
         # rotation only now, with the new checkpoint committed: a failed save leaves the previous ones loadable
         self._rotate(doomed, path, aside)
-        if self.is_main_process:
-            dataloaders, scaler = len(objects["dataloaders"]), self.scaler is not None
+        if self.host.is_main_process:
+            dataloaders, scaler = len(objects["dataloaders"]), self.engine.scaler is not None
             for line in accelerate_format.saved_lines(path, dataloaders, objects["custom"], scaler):
                 progress.info(line)
-        self.project_configuration.iteration += 1
+        self.config.iteration += 1
         return str(path)
 
-    def load_state(
-        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **_: Any
-    ) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None) -> int | None:
         """All ranks, after ``prepare``: restore what ``save_state`` wrote, in the same preparation order, including
         each loader's position (so the next pass continues where the saved one stopped; calling
         ``skip_first_batches`` for the resumed epoch as well, as accelerate's examples do, skips once, not twice).
@@ -301,45 +317,46 @@ class CheckpointsMixin:
         A folder written by accelerate's ``save_state`` is restored as accelerate restores it (the loaders keep
         their position: ``skip_first_batches`` skips what was seen). Without ``input_dir``: the newest checkpoint
         under ``project_dir/checkpoints``. Loading ``checkpoints/checkpoint_<n>`` under automatic checkpoint naming
-        makes the next automatic save ``checkpoint_<n+1>`` (unless ``iteration`` is already past it).
+        makes the next automatic save ``checkpoint_<n+1>`` (unless ``iteration`` is already past it). Returns the
+        accumulation step count to continue from (None: keep the current one).
         """
         if input_dir is not None:
             input_dir = os.path.expanduser(input_dir)
         else:
             input_dir = latest_checkpoint(self._checkpoints_root("load_state()"))
         objects = self._checkpoint_objects()
-        if self._load_state_pre_hooks:  # hooks see the models loaded from whole files, as in accelerate
+        if self.load_hooks:  # hooks see the models loaded from whole files, as in accelerate
             visible = [m for m in objects["models"] if not self._hidden_from_hooks(m)]
             shown = list(visible)
-            for hook in self._load_state_pre_hooks.values():
+            for hook in self.load_hooks.values():
                 hook(visible, str(input_dir))
             taken = [m for m in shown if not any(m is kept for kept in visible)]
             objects["models"][:] = [m for m in objects["models"] if not any(m is t for t in taken)]
         if accelerate_format.is_accelerate_checkpoint(input_dir):
-            found = accelerate_format.load_accelerate_state(input_dir, self.state, **objects)
-            if found["step"] is not None:  # accelerate's step counter, as its load_state sets it
-                self.step = found["step"]
+            found = accelerate_format.load_accelerate_state(input_dir, self.engine.state, **objects)
+            step = found["step"]  # accelerate's step counter, as its load_state sets it (when it saved one)
             scaler, random_states = found["scaler"], found["random"]
         else:
-            extra = checkpoint.load_state(input_dir, self.state, **objects)
+            extra = checkpoint.load_state(input_dir, self.engine.state, **objects)
             # the accumulation count is in micro-batches of this process: on another number of processes, the same
             # share of the epoch (the loaders translate their positions the same way)
-            processes = int(extra.get("processes", self.num_processes))
-            self.step = int(extra.get("step", 0)) * processes // self.num_processes
-            scaler, random_states = self.scaler is not None, True
-        if self.is_main_process:  # accelerate's lines, said once the folder is loaded (after the loader's own)
+            processes = int(extra.get("processes", self.engine.state.num_processes))
+            step = int(extra.get("step", 0)) * processes // self.engine.state.num_processes
+            scaler, random_states = self.engine.scaler is not None, True
+        if self.host.is_main_process:  # accelerate's lines, said once the folder is loaded (after the loader's own)
             progress.info(f"Loading states from {input_dir}")
             for line in accelerate_format.loaded_lines(input_dir, objects["custom"], scaler, random_states):
                 progress.info(line)
         self._continue_numbering(Path(input_dir))
+        return step
 
     def _continue_numbering(self, folder: Path) -> None:
         """After loading ``project_dir/checkpoints/checkpoint_<n>`` under automatic naming, the next save is
         ``checkpoint_<n+1>``: accelerate leaves ``iteration`` as it was, so its next save collides or reuses a lower
         number (a ``total_limit`` rotation would then delete the newest checkpoints first)."""
-        config = self.project_configuration
+        config = self.config
         match = _NUMBERED.fullmatch(folder.name)
-        if not (config.automatic_checkpoint_naming and self.project_dir is not None and match):
+        if not (config.automatic_checkpoint_naming and self.config.project_dir is not None and match):
             return
         if folder.parent.resolve() == self._checkpoints_root("load_state()").resolve():
             config.iteration = max(config.iteration, int(match.group(1)) + 1)

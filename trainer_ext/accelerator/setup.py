@@ -8,17 +8,26 @@ import warnings
 from typing import Any
 
 from trainer_ext.accelerator.options import (
+    AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+    split_handlers,
 )
 from trainer_ext.distributed.data.shuffle import RNG_TYPES
+from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.rules import check_precision
+from trainer_ext.distributed.state import DistState
 from trainer_ext.distributed.strategies.deepspeed.plugin import DeepSpeedPlugin
 from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings, parse_fsdp
 from trainer_ext.distributed.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
 from trainer_ext.env_vars import DEEPSPEED_CONFIG as _ENV_DEEPSPEED  # what `trainer-ext launch --deepspeed` exports
 from trainer_ext.env_vars import FSDP_CONFIG as _ENV_FSDP  # what `trainer-ext launch --fsdp_config` exports
 from trainer_ext.env_vars import GRADIENT_ACCUMULATION_STEPS as _ENV_ACCUMULATION  # what `trainer-ext launch` exports
+from trainer_ext.env_vars import MIXED_PRECISION as _ENV_PRECISION
 from trainer_ext.errors import ConfigError
 
 # accelerate arguments that configure its own plugins; ours take plain settings instead
@@ -48,6 +57,27 @@ def accumulation_settings(steps: int, plugin: GradientAccumulationPlugin | None)
     if int(kwargs.get("num_steps") or 1) < 1:
         raise ConfigError(f"gradient_accumulation_steps must be at least 1, got {kwargs['num_steps']}")
     return kwargs
+
+
+def known_handlers(kwargs_handlers: list[Any] | None) -> dict[type, Any]:
+    """``kwargs_handlers`` by class, refusing the classes the Accelerator does not take (and saying that
+    ``InitProcessGroupKwargs(init_method=...)`` is not used: the launcher's environment starts the group)."""
+    handlers = split_handlers(kwargs_handlers)
+    known = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, ProfileKwargs)
+    for cls in handlers:
+        if cls not in known:
+            raise ConfigError(
+                f"Unsupported kwargs handler passed: {cls.__name__}; kwargs_handlers takes "
+                f"{', '.join(k.__name__ for k in known)}"
+            )
+    init = handlers.get(InitProcessGroupKwargs)
+    if init is not None and init.to_kwargs().get("init_method") is not None:
+        warnings.warn(
+            "InitProcessGroupKwargs(init_method=...) is not used: the process group starts from the launcher's "
+            "environment (MASTER_ADDR/MASTER_PORT)",
+            stacklevel=3,
+        )
+    return handlers
 
 
 def refuse_plugins(arguments: dict[str, Any]) -> None:
@@ -168,3 +198,47 @@ def strategy_settings(
     if ddp_handler is not None:
         return None, ddp_handler.to_kwargs()
     return None, None
+
+
+def build_engine(
+    arguments: dict[str, Any], handlers: dict[type, Any], config: DataLoaderConfiguration, rng_types: list[str]
+) -> Engine:
+    """The engine an ``Accelerator`` runs on, from its ``__init__`` arguments (by name) and kwargs handlers; its
+    state shows the DeepSpeed/FSDP plugins and the precision, as ``print(accelerator.state)`` does in accelerate."""
+    a = arguments
+    init_handler = handlers.get(InitProcessGroupKwargs)
+    init = init_handler.to_kwargs() if init_handler is not None else {}
+    state = DistState(cpu=a["cpu"], timeout=init.get("timeout", a["timeout"]), backend=init.get("backend"))
+    mode = str(a["mixed_precision"] or os.environ.get(_ENV_PRECISION) or "no")
+    check_precision(mode, state.device)
+    deepspeed_config = a["deepspeed_config"]
+    if a["deepspeed_plugin"] is None and a["deepspeed_plugins"] is None and deepspeed_config is None:
+        deepspeed_config = launched_deepspeed_config(a["fsdp_config"] is not None or a["fsdp_plugin"] is not None)
+    ds_config, ds_plugin = deepspeed_settings(a["deepspeed_plugin"], a["deepspeed_plugins"], deepspeed_config)
+    fsdp, fsdp_view = fsdp_settings(a["fsdp_plugin"], a["fsdp_config"], ds_config is not None)
+    strategy, options = strategy_settings(fsdp, ds_config, handlers.get(DistributedDataParallelKwargs))
+    scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
+    dynamo = a["dynamo_backend"]
+    engine = Engine(
+        state,
+        mixed_precision=mode,
+        seed=config.data_seed if config.data_seed is not None else a["seed"],
+        split_batches=config.split_batches,
+        dispatch_batches=config.dispatch_batches,
+        even_batches=config.even_batches,
+        use_seedable_sampler=config.use_seedable_sampler,
+        rng_types=rng_types,
+        strategy=strategy,
+        strategy_options=options,
+        device_placement=a["device_placement"],
+        torch_compile={"backend": str(dynamo).lower()} if dynamo not in (None, "no", "NO") else None,
+        gradient_accumulation_plugin_kwargs=accumulation_settings(
+            a["gradient_accumulation_steps"], a["gradient_accumulation_plugin"]
+        ),
+        scaler_kwargs=scaler.to_kwargs() if scaler is not None else None,
+        autocast_kwargs=autocast.to_kwargs() if autocast is not None else None,
+    )
+    state.deepspeed_plugin = ds_plugin
+    state.fsdp_plugin = fsdp_view
+    state.mixed_precision, state.strategy_type = mode, engine.distributed_type  # for print(state)
+    return engine
