@@ -250,8 +250,11 @@ def test_find_executable_batch_size_runs_our_loop_once(tmp_path: Path) -> None:
     """transformers' ``train()`` asks accelerate for a restarting wrapper; ours gets its loop, called once."""
     import transformers.trainer as hf_trainer
 
-    find = hf_trainer.find_executable_batch_size
+    from trainer_ext.trainer import compat as _compat
+
     trainer = Trainer(model=Regressor(), args=make_args(tmp_path, auto_find_batch_size=True))
+    with _compat.training_loop_names():  # what train() opens around transformers' loop
+        find = hf_trainer.find_executable_batch_size
     wrapped = find(trainer._inner_training_loop, 8, True)
     assert wrapped.func == trainer._inner_training_loop and wrapped.keywords == {"batch_size": 8}
 
