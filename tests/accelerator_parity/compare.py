@@ -11,7 +11,6 @@ breaking those is reported as a note, not a failure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -19,12 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.parity_harness.compare import compare_main, is_number, worst_of
+from tests.parity_harness.compare import short as harness_short
+
 # Measured on CPU fp32, one thread (README): 1 and 2 processes are bitwise equal today; the tolerances leave room for
 # a different but valid reduction order only.
 RELATIVE = {"loss": 1e-6, "loss_reduced": 1e-6, "lr": 1e-9, "metric": 1e-6, "grad_norm": 1e-6, "scalars": 1e-6}
 WEIGHTS_ATOL = 1e-6
 IGNORED = {"where", "log_tail", "seconds", "versions", "meta", "set_seed_from"}
 MAX_LINES = 12
+SHOWN_CHARS = 160  # of one value in a difference's line
 
 
 @dataclass
@@ -50,13 +53,8 @@ class Report:
         return "\n".join([head, *lines])
 
 
-def short(value: Any, limit: int = 160) -> str:
-    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def short(value: Any, limit: int = SHOWN_CHARS) -> str:
+    return harness_short(value, limit)
 
 
 def close(a: float, b: float, rtol: float) -> bool:
@@ -77,7 +75,7 @@ class Differ:
         return self.lines[before:]
 
     def note(self, kind: str, error: float) -> None:
-        self.worst[kind] = max(self.worst.get(kind, 0.0), error)
+        worst_of(self.worst, kind, error)
 
     def walk(self, x: Any, y: Any, path: str, kind: str | None) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
@@ -109,7 +107,7 @@ class Differ:
                 return
             for i, (u, v) in enumerate(zip(x, y, strict=True)):
                 self.walk(u, v, f"{path}[{i}]", kind)
-        elif kind is not None and number(x) and number(y) and float in (type(x), type(y)):
+        elif kind is not None and is_number(x) and is_number(y) and float in (type(x), type(y)):
             scale = max(abs(x), abs(y))
             self.note(kind, abs(x - y) / scale if scale else 0.0)
             if not close(float(x), float(y), RELATIVE[kind]):
@@ -344,14 +342,13 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def compare_files(stock: Path, ours: Path) -> Report:
+    """Two ``run`` results, each read with its tensors beside it."""
+    return compare(load(stock), load(ours), stock.parent, ours.parent)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stock", type=Path)
-    parser.add_argument("ours", type=Path)
-    options = parser.parse_args(argv)
-    report = compare(load(options.stock), load(options.ours), options.stock.parent, options.ours.parent)
-    print(report.text())
-    return 0 if report.ok else 1
+    return compare_main(compare_files, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+from tests.parity_harness.workload import set_up
 
 EPOCHS, TRAIN_N, BATCH, SEED = 3, 48, 4, 42
 STOP = {1: 5, 2: 3}  # mid-epoch 1: batches of this process read in that epoch when the job saves
@@ -73,9 +73,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--iteration", type=int, default=None)
     args = parser.parse_args()
-    if args.impl == "ours":
-        hide_accelerate()
-    quiet_and_deterministic()
+    set_up(args.impl)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s", stream=sys.stdout)
     run(args)
 

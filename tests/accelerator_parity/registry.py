@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-IMPLS = ("stock", "ours")
+from tests.parity_harness.registry import IMPLS
+
+__all__ = ["ALL_NPROCS", "CASES", "IMPLS", "NPROCS", "SCENARIOS", "Spec"]
 NPROCS = (1, 2)
 
 

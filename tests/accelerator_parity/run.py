@@ -16,20 +16,18 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from tests.helpers import forked_ranks
+from tests.parity_harness.runner import ROOT, child_env, launch_ranks, result_path
+from tests.parity_harness.workload import versions
 
 from .registry import ALL_NPROCS, IMPLS, SCENARIOS
 
-ROOT = Path(__file__).resolve().parents[2]
 # A phase takes 4 to 18 s (two runs side by side on 2 cores), up to ~50 s while CI's other steps share the cores;
 # more is a hang. The one phase known to hang (stock's join_uneven_inputs on CPU) is cut short instead: every line of
 # it may differ (compare.py allows it), so it runs only long enough to show the hang.
@@ -41,18 +39,8 @@ KNOWN_HANGS = {("join_uneven_inputs", "dataloader_config", "stock")}  # accelera
 WORKER = "tests.accelerator_parity.worker"
 PRELOAD = "tests.accelerator_parity.warm"  # what a batch's fork server imports
 IMPL_VAR = "ACCELERATOR_PARITY_IMPL"  # the fork server's implementation (read by warm.py)
+PACKAGES = ("torch", "transformers", "accelerate", "trainer_ext", "tensorboard")  # their versions go in the result
 _served: str | None = None  # the implementation this process's fork server imported (serve)
-
-
-def child_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outdir: Path, timeout: float) -> dict:
@@ -66,37 +54,10 @@ def launch(impl: str, scenario: str, phase: str, nproc: int, workdir: Path, outd
         "--impl", impl, "--scenario", scenario, "--phase", phase, "--processes", str(nproc),
         "--workdir", str(workdir), "--outdir", str(outdir),
     ]  # fmt: skip
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0",
-        "-m", WORKER, *worker_args,
-    ]  # fmt: skip
     outdir.mkdir(parents=True, exist_ok=True)
     log_path = outdir / "launcher.log"
-    if _served == impl and forked_ranks.usable(_server_env(impl), PRELOAD):
-        log_path.write_text("")
-        try:
-            code = forked_ranks.run(
-                WORKER, nproc, worker_args, child_env(), timeout, cwd=ROOT, log=log_path
-            ).returncode
-            status = "ok" if code == 0 else f"exit {code}"
-        except subprocess.TimeoutExpired:
-            status = f"timeout ({timeout:.0f}s)"
-        return _observed(status, nproc, outdir, log_path)
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            process.wait(timeout=timeout)
-            status = "ok" if process.returncode == 0 else f"exit {process.returncode}"
-        except subprocess.TimeoutExpired:
-            status = f"timeout ({timeout:.0f}s)"
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    forked = _served == impl and forked_ranks.usable(_server_env(impl), PRELOAD)
+    status = launch_ranks(WORKER, nproc, worker_args, child_env(), timeout, ROOT, log_path, forked)
     return _observed(status, nproc, outdir, log_path)
 
 
@@ -117,16 +78,6 @@ def _observed(status: str, nproc: int, outdir: Path, log_path: Path) -> dict:
         path = outdir / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
     return {"status": status, "ranks": ranks, "log_tail": log_path.read_text(errors="replace")[-6000:]}
-
-
-def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for package in ("torch", "transformers", "accelerate", "trainer_ext", "tensorboard"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
 
 
 def run_scenario(
@@ -158,7 +109,7 @@ def run_scenario(
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    result["versions"] = versions()
+    result["versions"] = versions(PACKAGES)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return result
@@ -187,10 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     for phase, observed in result["phases"].items():
         print(f"{phase}: {observed['status']}")
     return 0
-
-
-def result_path(outdir: Path, scenario: str, impl: str, nproc: int) -> Path:
-    return outdir / f"{scenario}.{impl}.{nproc}.json"
 
 
 def run_batch(impl: str, cases: list[str], outdir: Path, timeout: float = PHASE_TIMEOUT_S) -> int:

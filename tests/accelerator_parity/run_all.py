@@ -10,16 +10,18 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tests.parity_harness.compare import worst_of
+from tests.parity_harness.registry import matching
+from tests.parity_harness.runner import batch_command, result_path, side_by_side
 
 from .compare import Report, compare, load
 from .registry import ALL_NPROCS, CASES, IMPLS
-from .run import PHASE_TIMEOUT_S, ROOT, result_path
+from .run import PHASE_TIMEOUT_S
 
 
 def run_many(cases: list[tuple[str, int]], outdir: Path, jobs: int = 2, timeout: float = PHASE_TIMEOUT_S) -> dict:
@@ -30,19 +32,12 @@ def run_many(cases: list[tuple[str, int]], outdir: Path, jobs: int = 2, timeout:
     """
     outdir.mkdir(parents=True, exist_ok=True)
     batch = [f"{scenario}:{nproc}" for scenario, nproc in cases]
-
-    def run_batch(impl: str) -> str:
-        command = [sys.executable, "-m", "tests.accelerator_parity.run", "--impl", impl, "--timeout", str(timeout)]
-        command += ["--outdir", str(outdir), "--batch", *batch]
-        process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        return (
-            ""
-            if process.returncode == 0
-            else f"exit {process.returncode}: {(process.stdout + process.stderr)[-3000:]}"
-        )
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        failures = dict(zip(IMPLS, pool.map(run_batch, IMPLS), strict=True))
+    failures = side_by_side(
+        lambda impl: batch_command(
+            "tests.accelerator_parity.run", impl, "--timeout", str(timeout), "--outdir", str(outdir), "--batch", *batch
+        ),
+        jobs=jobs,
+    )
     reports = {}
     for scenario, nproc in cases:
         stock, ours = (result_path(outdir, scenario, impl, nproc) for impl in IMPLS)
@@ -74,11 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="batches at a time (one per implementation: 1 or 2)")
     parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds one phase may take")
     options = parser.parse_args(argv)
-    cases = [
-        (name, nproc)
-        for name, nproc in CASES
-        if (not options.k or any(k in name for k in options.k)) and (not options.nproc or nproc in options.nproc)
-    ]
+    names = matching([name for name, _ in CASES], options.k)
+    cases = [(name, nproc) for name, nproc in CASES if name in names and (not options.nproc or nproc in options.nproc)]
     outdir = Path(options.outdir or tempfile.mkdtemp(prefix="accparity-results-"))
     started = time.perf_counter()
     reports = run_many(cases, outdir, options.jobs, options.timeout)
@@ -89,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     worst: dict[str, float] = {}
     for report in reports.values():
         for kind, error in report.worst.items():
-            worst[kind] = max(worst.get(kind, 0.0), error)
+            worst_of(worst, kind, error)
     print(
         "\nlargest stock-vs-ours errors (relative; weights: max abs):",
         ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items())),

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+from tests.parity_harness.workload import hide_accelerate, quiet_and_deterministic
 
 
 def main(impl: str, out: Path) -> None:

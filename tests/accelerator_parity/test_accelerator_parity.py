@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
+from tests.parity_harness.compare import check
+from tests.parity_harness.registry import selected
 
 from .registry import CASES
 from .run_all import run_many
@@ -29,18 +31,11 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """The selected cases, each run once under both implementations (two runs at a time)."""
     # not skipped: CI requires accelerate
     require_accelerate("run in the side venv (tests/accelerator_parity/README.md)")
-    selected = [
-        (item.callspec.params["scenario"], item.callspec.params["nproc"])
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-    ]
+    chosen = selected(request, "scenario", "nproc")
     outdir = Path(os.environ.get("ACCELERATOR_PARITY_RESULTS") or tmp_path_factory.mktemp("accelerator-parity"))
-    return run_many([case for case in CASES if case in selected], outdir)
+    return run_many([case for case in CASES if case in chosen], outdir)
 
 
 @pytest.mark.parametrize(("scenario", "nproc"), CASES, ids=[f"{name}-{n}proc" for name, n in CASES])
 def test_accelerator_parity(scenario: str, nproc: int, reports: dict) -> None:
-    report = reports[(scenario, nproc)]
-    print(report.text())
-    if not report.ok:
-        pytest.fail(report.text(), pytrace=False)
+    check(reports[(scenario, nproc)])

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.stock_side import require_accelerate, skip_without_accelerate
+from tests.parity_harness.compare import check
+from tests.parity_harness.registry import selected
 
 from .examples.cases import CASES, NPROCS
 from .examples.compare import BATCH_TIMEOUT_S, run_both
@@ -33,12 +35,8 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """The selected scripts that can run here, each under both implementations (the two batches side by side)."""
     # not skipped: CI requires accelerate
     require_accelerate("run in the side venv (tests/accelerator_parity/README.md)")
-    selected = [
-        (item.callspec.params["script"], item.callspec.params["nproc"])
-        for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-    ]
-    runnable = [run for run in RUNS if run in selected and CASES[run[0]].missing() is None]
+    chosen = selected(request, "script", "nproc")
+    runnable = [run for run in RUNS if run in chosen and CASES[run[0]].missing() is None]
     if not runnable:
         return {}
     outdir = Path(os.environ.get("EXAMPLES_PARITY_RESULTS") or tmp_path_factory.mktemp("examples-parity")).resolve()
@@ -51,7 +49,4 @@ def test_example_script(script: str, nproc: int, reports: dict) -> None:
     missing = CASES[script].missing()
     if missing:
         pytest.skip(missing)
-    report = reports[(script, nproc)]
-    print(report.text())
-    if not report.ok:
-        pytest.fail(report.text(), pytrace=False)
+    check(reports[(script, nproc)])

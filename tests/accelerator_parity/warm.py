@@ -8,12 +8,10 @@ before anything imports, and the worker's settings are made first, so that trans
 
 import os
 
-from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+from tests.parity_harness.workload import set_up
 
 IMPL = os.environ["ACCELERATOR_PARITY_IMPL"]
-if IMPL == "ours":
-    hide_accelerate()
-quiet_and_deterministic()
+set_up(IMPL)
 
 import safetensors.torch  # noqa: E402, F401
 import torch  # noqa: E402, F401

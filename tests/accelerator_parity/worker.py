@@ -14,23 +14,9 @@ import faulthandler
 import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
-from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
-
-
-def die_with_launcher() -> None:
-    """A rank whose launcher is gone (killed after a hang) exits instead of waiting on its peers forever."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
+from tests.parity_harness.workload import die_with_launcher, leave_without_teardown, set_up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     faulthandler.register(signal.SIGTERM, chain=True)  # killed after a hang or a peer's crash: say where it was
     die_with_launcher()
-    if options.impl == "ours":
-        hide_accelerate()
-    quiet_and_deterministic()
+    set_up(options.impl)
     import torch
 
     from . import scenarios_data, scenarios_deepspeed, scenarios_fsdp, scenarios_misc, scenarios_train
@@ -69,14 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder.data["meta"]["returned"] = True  # the script ran to its end (or raised): not stuck in it
     recorder.write()
     if options.impl == "stock":
-        # accelerate leaves torch's gloo group to interpreter teardown, where a worker thread still holding work
-        # aborts the process now and then ("terminate called without an active exception", SIGABRT while
-        # garbage-collecting: 1 phase in 8 measured on 2 processes). Everything is recorded by now; leave without
-        # that teardown. trainer_ext tears its group down itself (atexit), so ours exits normally and an abort
-        # there still fails the phase.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_without_teardown()  # accelerate's gloo teardown aborts now and then; everything is recorded by now
     return 0
 
 

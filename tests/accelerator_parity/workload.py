@@ -87,12 +87,6 @@ def error(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc), "where": where[-2000:]}
 
 
-def files_under(root: Path | str) -> list[str]:
-    """Every file under ``root``, relative and sorted (``[]`` when it does not exist)."""
-    root = Path(root)
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
 def jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return jsonable(value.tolist())
@@ -171,6 +165,31 @@ class Epoch:
             self.entry["loss_reduced"].append(accelerator.reduce(loss.detach(), reduction="mean").item())
         self.entry["lr"].append(scheduler.get_last_lr()[0])
         self.entry["sync"].append(bool(accelerator.sync_gradients))
+
+
+def train_epoch(
+    accelerator: Any,
+    model: nn.Module,
+    optimizer: Any,
+    batches: Iterable,
+    scheduler: Any,
+    trace: Epoch,
+    reduce: bool = True,
+    after_step: Callable[[], bool] | None = None,
+) -> bool:
+    """The examples' inner loop: per batch the loss, ``backward``, the optimizer's and scheduler's steps, ``zero_grad``
+    and ``trace.step``, then ``after_step`` (True stops the loop there). Returns whether it was stopped."""
+    model.train()
+    for batch in batches:
+        loss = loss_of(model, batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        trace.step(accelerator, batch, loss, scheduler, reduce=reduce)
+        if after_step is not None and after_step():
+            return True
+    return False
 
 
 def evaluate(

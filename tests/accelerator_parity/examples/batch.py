@@ -17,33 +17,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.helpers import forked_ranks
 from tests.helpers.slowness import scaled
+from tests.parity_harness.runner import child_env as harness_env
+from tests.parity_harness.runner import launch_ranks, result_path
 
 from .cases import CASES, UPSTREAM
 from .standins import link_into
 
-ROOT = Path(__file__).resolve().parents[3]
 RUNNER = "tests.accelerator_parity.examples.runner"
 PRELOAD = "tests.accelerator_parity.examples.warm"
 # one launch takes 2 to 10 s forked (up to ~30 s through torchrun) on 2 busy cores; more is a hang
 LAUNCH_TIMEOUT_S = 120.0
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def child_env(impl: str, outdir: Path) -> dict[str, str]:
     """The ranks' environment: no hub, one thread, this implementation's own caches, CPU processes."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-        OMP_NUM_THREADS="1",
+    return harness_env(
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         HF_EVALUATE_OFFLINE="1",
@@ -54,7 +48,6 @@ def child_env(impl: str, outdir: Path) -> dict[str, str]:
         ACCELERATE_USE_CPU="1",
         EXAMPLES_IMPL=impl,
     )
-    return env
 
 
 def launch(impl: str, nproc: int, script: Path, args: tuple[str, ...], record: Path, workdir: Path, env: dict) -> dict:
@@ -64,42 +57,12 @@ def launch(impl: str, nproc: int, script: Path, args: tuple[str, ...], record: P
     # SQLite database it cannot open without SQLAlchemy (stock then fails in init_trackers)
     env = {**env, "MLFLOW_TRACKING_URI": (workdir / "mlruns").resolve().as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
     log_path = record.with_suffix(".log")
-    record.parent.mkdir(parents=True, exist_ok=True)
     timeout = scaled(LAUNCH_TIMEOUT_S)
     started = time.perf_counter()
-    if forked_ranks.usable(env, PRELOAD):
-        log_path.write_text("")
-        try:
-            code = forked_ranks.run(RUNNER, nproc, runner_args, env, timeout, cwd=workdir, log=log_path).returncode
-            status = "ok" if code == 0 else f"exit {code}"
-        except subprocess.TimeoutExpired:
-            status = f"timeout ({timeout:.0f}s)"
-    else:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--max_restarts=0", "-m", RUNNER, *runner_args,
-        ]  # fmt: skip
-        with log_path.open("w") as log:
-            process = subprocess.Popen(
-                command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                process.wait(timeout=timeout)
-                status = "ok" if process.returncode == 0 else f"exit {process.returncode}"
-            except subprocess.TimeoutExpired:
-                status = f"timeout ({timeout:.0f}s)"
-                process.terminate()  # torchrun passes it on; the ranks print their stacks (faulthandler)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+    forked = forked_ranks.usable(env, PRELOAD)
+    status = launch_ranks(RUNNER, nproc, runner_args, env, timeout, workdir, log_path, forked)
     seconds = round(time.perf_counter() - started, 1)
     return {"status": status, "seconds": seconds, "log_tail": log_path.read_text(errors="replace")[-6000:]}
-
-
-def result_path(outdir: Path, case: str, impl: str, nproc: int) -> Path:
-    return outdir / f"{case}.{impl}.{nproc}.json"
 
 
 def record_path(outdir: Path, case: str, impl: str, nproc: int, phase: str) -> Path:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 NPROCS = (1, 2)
-IMPLS = ("stock", "ours")
 CPU = ("--cpu",)  # the scripts need it to be MULTI_CPU under torchrun without a GPU (README: known behaviour)
 
 

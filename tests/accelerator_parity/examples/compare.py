@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.helpers.slowness import scaled
+from tests.parity_harness.compare import relative, worst_of
+from tests.parity_harness.registry import IMPLS, matching
+from tests.parity_harness.runner import batch_command, result_path, side_by_side
 
-from .batch import ROOT, record_path, result_path
-from .cases import CASES, IMPLS, NPROCS
+from .batch import record_path
+from .cases import CASES, NPROCS
 from .runner import record_path as rank_record
 
 RELATIVE = 1e-6  # losses, learning rates, metrics, logged values
@@ -63,21 +63,13 @@ class Report:
         return not self.failures
 
     def err(self, kind: str, value: float) -> None:
-        self.worst[kind] = max(self.worst.get(kind, 0.0), value)
+        worst_of(self.worst, kind, value)
 
     def text(self) -> str:
         worst = ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.worst.items()))
         lines = [f"{self.case} on {self.nproc} process(es): {'pass' if self.ok else 'FAIL'} (largest errors: {worst})"]
         lines += [f"  FAIL {line}" for line in self.failures] + [f"  note {line}" for line in self.notes]
         return "\n".join(lines)
-
-
-def relative(a: float, b: float) -> float:
-    if a == b:
-        return 0.0
-    if math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
 def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -252,19 +244,18 @@ def run_both(cases: list[tuple[str, int]], outdir: Path, standins: Path, timeout
 
     ``timeout`` bounds each batch as given: under pytest, conftest scales a subprocess's timeout already."""
     batch = [f"{case}:{nproc}" for case, nproc in cases]
-
-    def run(impl: str) -> str:
-        command = [sys.executable, "-m", "tests.accelerator_parity.examples.batch", "--impl", impl]
-        command += ["--standins", str(standins), "--outdir", str(outdir), *batch]
-        process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        return (
-            ""
-            if process.returncode == 0
-            else f"exit {process.returncode}: {(process.stdout + process.stderr)[-3000:]}"
-        )
-
-    with ThreadPoolExecutor(max_workers=len(IMPLS)) as pool:
-        failures = dict(zip(IMPLS, pool.map(run, IMPLS), strict=True))
+    failures = side_by_side(
+        lambda impl: batch_command(
+            "tests.accelerator_parity.examples.batch",
+            impl,
+            "--standins",
+            str(standins),
+            "--outdir",
+            str(outdir),
+            *batch,
+        ),
+        timeout=timeout,
+    )
     reports = {}
     for case, nproc in cases:
         missing = [impl for impl in IMPLS if not result_path(outdir, case, impl, nproc).exists()]
@@ -282,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     from .standins import build
 
-    selected = [name for name, case in CASES.items() if not options.k or any(k in name for k in options.k)]
+    selected = matching(list(CASES), options.k)
     skipped = {name: CASES[name].missing() for name in selected if CASES[name].missing()}
     cases = [(name, n) for name in selected if name not in skipped for n in options.nproc or NPROCS]
     outdir = Path(options.outdir or tempfile.mkdtemp(prefix="examples-parity-")).resolve()

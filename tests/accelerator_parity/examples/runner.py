@@ -213,24 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     options = parser.parse_args(argv)
     faulthandler.register(signal.SIGTERM, chain=True)  # stopped after a hang or a peer's crash: say where
-    from tests.accelerator_parity.worker import die_with_launcher
-    from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+    from tests.parity_harness.workload import die_with_launcher, leave_without_teardown, set_up
 
     die_with_launcher()
-    if options.impl == "ours":
-        hide_accelerate()
-    quiet_and_deterministic()
+    set_up(options.impl)
     os.environ["HF_EVALUATE_OFFLINE"] = "1"
     import torch
 
     torch.set_num_threads(1)
     run(options.impl, Path(options.record).resolve(), Path(options.script).resolve(), options.args)
     if options.impl == "stock":
-        # as tests/accelerator_parity/worker.py: accelerate leaves its gloo group to interpreter teardown, which
-        # aborts now and then on CPU; everything is recorded by now
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_without_teardown()  # accelerate's gloo teardown aborts now and then; everything is recorded by now
     return 0
 
 

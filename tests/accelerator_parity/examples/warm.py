@@ -6,12 +6,10 @@ anything imports, as in the runner, so that transformers' import-time look-ups s
 
 import os
 
-from tests.parity.run_scenario import hide_accelerate, quiet_and_deterministic
+from tests.parity_harness.workload import set_up
 
 IMPL = os.environ["EXAMPLES_IMPL"]
-if IMPL == "ours":
-    hide_accelerate()
-quiet_and_deterministic()
+set_up(IMPL)
 
 import importlib.util  # noqa: E402
 
