@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import get_linear_schedule_with_warmup
 
-from .scenarios_train import EPOCHS, EVAL_N, SEED
-from .workload import Context, Epoch, RegressionData, RegressionModel, evaluate, final_weights, loader, loss_of
+from .scenarios_train import EPOCHS, EVAL_N, SEED, fit
+from .workload import Context, Epoch, RegressionData, RegressionModel, evaluate, final_weights, loader, train_epoch
 
 TRAIN_N, BATCH = 22, 4  # 2 processes: global batches of 8, 8 and 6 (6 rows left: how are they cut?)
 
@@ -63,20 +63,7 @@ def _build(ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True, d
 def _train(
     ctx: Context, accelerator: Any, stream: bool, shuffle: bool = True, epochs: int = EPOCHS, **kw: Any
 ) -> None:
-    model, optimizer, train_dl, eval_dl, scheduler = _build(ctx, accelerator, stream, shuffle, **kw)
-    for epoch in range(epochs):
-        model.train()
-        trace = Epoch(ctx.rec, epoch)
-        for batch in train_dl:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
-        evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
-    final_weights(accelerator, model, ctx.rec)
-    accelerator.end_training()
+    fit(ctx, accelerator, _build(ctx, accelerator, stream, shuffle, **kw), epochs)
 
 
 def _stream_eval(ctx: Context, accelerator: Any, key: str) -> None:
@@ -130,27 +117,26 @@ def _resume(ctx: Context, **loader_options: Any) -> None:
         accelerator.load_state(str(checkpoint))
         starting_epoch, resume_step = divmod(STOP[ctx.nproc], per_epoch)
         ctx.rec.put("resume_at", {"epoch": starting_epoch, "step": resume_step})
+
+    def interrupt() -> bool:
+        """After each step: in phase ``interrupted``, save_state at ``STOP`` and stop."""
+        nonlocal overall_step
+        overall_step += 1
+        if ctx.phase != "interrupted" or overall_step != STOP[ctx.nproc]:
+            return False
+        accelerator.save_state(str(checkpoint))
+        accelerator.wait_for_everyone()
+        final_weights(accelerator, model, ctx.rec, "at_interruption")
+        return True
+
     for epoch in range(starting_epoch, EPOCHS):
-        model.train()
         active = train_dl
         if resume_step is not None and epoch == starting_epoch:
             overall_step += resume_step
             if ctx.phase == "resumed":
                 active = accelerator.skip_first_batches(train_dl, resume_step)
-        trace = Epoch(ctx.rec, epoch)
-        for batch in active:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
-            overall_step += 1
-            if ctx.phase == "interrupted" and overall_step == STOP[ctx.nproc]:
-                accelerator.save_state(str(checkpoint))
-                accelerator.wait_for_everyone()
-                final_weights(accelerator, model, ctx.rec, "at_interruption")
-                return
+        if train_epoch(accelerator, model, optimizer, active, scheduler, Epoch(ctx.rec, epoch), after_step=interrupt):
+            return
         evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
     final_weights(accelerator, model, ctx.rec)
     accelerator.end_training()

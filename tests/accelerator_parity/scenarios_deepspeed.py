@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from .scenarios_train import EPOCHS, EVAL_N, SEED, TRAIN_N
-from .workload import Context, Epoch, RegressionModel, evaluate, final_weights, loader, loss_of
+from .scenarios_train import EPOCHS, EVAL_N, SEED, TRAIN_N, fit
+from .workload import Context, RegressionModel, loader
 
 BATCH = 4
 LR = 1e-2
@@ -120,16 +120,4 @@ def deepspeed_config_support(ctx: Context) -> None:
     # the dict read before prepare is the plugin's own: prepare filled its "auto" values in place
     ctx.rec.put("resolved", {key: ds_config.get(key) for key in RESOLVED_KEYS})
     ctx.rec.put("len_train_dl", len(train_dl))
-    for epoch in range(EPOCHS):
-        model.train()
-        trace = Epoch(ctx.rec, epoch)
-        for batch in train_dl:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
-    evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
-    final_weights(accelerator, model, ctx.rec)
-    accelerator.end_training()
+    fit(ctx, accelerator, (model, optimizer, train_dl, eval_dl, scheduler), evaluate_each_epoch=False)

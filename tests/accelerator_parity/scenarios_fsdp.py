@@ -16,7 +16,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from .scenarios_deepspeed import _refusal
 from .scenarios_train import EPOCHS, EVAL_N, SEED, TRAIN_N
-from .workload import Context, Epoch, RegressionModel, evaluate, loader, loss_of
+from .workload import Context, Epoch, RegressionModel, evaluate, loader, train_epoch
 
 BATCH = 4
 LR = 1e-2
@@ -113,15 +113,7 @@ def fsdp_plugin(ctx: Context) -> None:
         model, optimizer, train_dl, eval_dl, scheduler
     )
     for epoch in range(EPOCHS):
-        model.train()
-        trace = Epoch(ctx.rec, epoch)
-        for batch in train_dl:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
+        train_epoch(accelerator, model, optimizer, train_dl, scheduler, Epoch(ctx.rec, epoch))
     evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)  # the whole model (on the main process at least), as the guide saves it

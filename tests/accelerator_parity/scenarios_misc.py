@@ -14,29 +14,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tests.parity_harness.workload import files_under
+
 from .scenarios_train import EPOCHS, EVAL_N, build
 from .workload import (
     Context,
     Epoch,
     RegressionModel,
     evaluate,
-    files_under,
     final_weights,
     loader,
     loss_of,
     tiny_llama,
+    train_epoch,
 )
-
-
-def train_epoch(accelerator: Any, model: Any, optimizer: Any, train_dl: Any, scheduler: Any, trace: Epoch) -> None:
-    model.train()
-    for batch in train_dl:
-        loss = loss_of(model, batch)
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        trace.step(accelerator, batch, loss, scheduler)
 
 
 def checkpoint_rotation(ctx: Context) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from .workload import Context, Epoch, RegressionModel, evaluate, files_under, final_weights, loader, loss_of
+from tests.parity_harness.workload import files_under
+
+from .workload import Context, Epoch, RegressionModel, evaluate, final_weights, loader, loss_of, train_epoch
 
 SEED = 42
 EPOCHS = 2
@@ -49,23 +51,31 @@ def build(ctx: Context, accelerator: Any, train_n: int = TRAIN_N, shuffle: bool 
     return model, optimizer, train_dl, eval_dl, scheduler
 
 
-def plain(ctx: Context) -> None:
-    accelerator = ctx.api.Accelerator(cpu=True)
-    ctx.rec.stage("topology", lambda: topology(accelerator, ctx.api))
-    model, optimizer, train_dl, eval_dl, scheduler = build(ctx, accelerator)
-    for epoch in range(EPOCHS):
-        model.train()
-        trace = Epoch(ctx.rec, epoch)
-        for batch in train_dl:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
+def fit(
+    ctx: Context,
+    accelerator: Any,
+    prepared: tuple,
+    epochs: int = EPOCHS,
+    evaluate_each_epoch: bool = True,
+    reduce: bool = True,
+) -> None:
+    """The examples' run on ``build``'s prepared objects: ``epochs`` of ``train_epoch``, the evaluation after each
+    (or once at the end), the final weights, ``end_training``."""
+    model, optimizer, train_dl, eval_dl, scheduler = prepared
+    for epoch in range(epochs):
+        train_epoch(accelerator, model, optimizer, train_dl, scheduler, Epoch(ctx.rec, epoch), reduce)
+        if evaluate_each_epoch:
+            evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
+    if not evaluate_each_epoch:
         evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
     final_weights(accelerator, model, ctx.rec)
     accelerator.end_training()
+
+
+def plain(ctx: Context) -> None:
+    accelerator = ctx.api.Accelerator(cpu=True)
+    ctx.rec.stage("topology", lambda: topology(accelerator, ctx.api))
+    fit(ctx, accelerator, build(ctx, accelerator))
 
 
 def accumulation(ctx: Context) -> None:
@@ -115,28 +125,28 @@ def resume(ctx: Context, shuffle: bool) -> None:
         starting_epoch = resumed_at // len(train_dl)
         resume_step = resumed_at - starting_epoch * len(train_dl)
         ctx.rec.put("resume_at", {"epoch": starting_epoch, "step": resume_step})
+
+    def interrupt() -> bool:
+        """After each step: in phase ``interrupted``, save_state at ``STOP`` and stop."""
+        nonlocal overall_step
+        overall_step += 1
+        if ctx.phase != "interrupted" or overall_step != STOP[ctx.nproc]:
+            return False
+        accelerator.save_state(str(checkpoint))
+        accelerator.wait_for_everyone()
+        ctx.rec.put("saved_files", files_under(checkpoint))
+        final_weights(accelerator, model, ctx.rec, "at_interruption")
+        return True
+
     for epoch in range(starting_epoch, EPOCHS):
-        model.train()
         if resume_step is not None and epoch == starting_epoch:
             active_dataloader = accelerator.skip_first_batches(train_dl, resume_step) if skip_by_hand else train_dl
             overall_step += resume_step
         else:
             active_dataloader = train_dl
         trace = Epoch(ctx.rec, epoch)
-        for batch in active_dataloader:
-            loss = loss_of(model, batch)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            trace.step(accelerator, batch, loss, scheduler)
-            overall_step += 1
-            if ctx.phase == "interrupted" and overall_step == STOP[ctx.nproc]:
-                accelerator.save_state(str(checkpoint))
-                accelerator.wait_for_everyone()
-                ctx.rec.put("saved_files", files_under(checkpoint))
-                final_weights(accelerator, model, ctx.rec, "at_interruption")
-                return
+        if train_epoch(accelerator, model, optimizer, active_dataloader, scheduler, trace, after_step=interrupt):
+            return
         evaluate(accelerator, model, eval_dl, ctx.rec, EVAL_N)
     final_weights(accelerator, model, ctx.rec)
     accelerator.end_training()
@@ -171,15 +181,7 @@ def join_uneven_inputs(ctx: Context) -> None:
     model, optimizer, train_dl, eval_dl, scheduler = build(ctx, accelerator, train_n=13, shuffle=False, batch=2)
     with accelerator.join_uneven_inputs([model], even_batches=False):
         for epoch in range(EPOCHS):
-            model.train()
-            trace = Epoch(ctx.rec, epoch)
-            for batch in train_dl:
-                loss = loss_of(model, batch)
-                accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-                trace.step(accelerator, batch, loss, scheduler, reduce=False)
+            train_epoch(accelerator, model, optimizer, train_dl, scheduler, Epoch(ctx.rec, epoch), reduce=False)
     ctx.rec.put("batches_after_join", sum(1 for _ in train_dl))  # the loader's own setting again
     final_weights(accelerator, model, ctx.rec)
     accelerator.end_training()
