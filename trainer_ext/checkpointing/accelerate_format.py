@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
-from trainer_ext.checkpointing.loop_state import _check_keys, _owner
 from trainer_ext.checkpointing.marker import COMPLETE, is_complete, read_marker
+from trainer_ext.checkpointing.model_keys import check_loaded_keys, optimizer_owner
 from trainer_ext.checkpointing.safe_globals import numpy_rng_safe_globals
 from trainer_ext.checkpointing.together import agreed
 from trainer_ext.errors import ConfigError
@@ -178,7 +178,7 @@ def _read_model(src: Path, index: int, model: torch.nn.Module) -> dict[str, torc
         if prefix is None:
             break
         saved = {name[len(prefix) :]: tensor for name, tensor in saved.items()}
-    _check_keys(index, model, sorted(expected - set(saved)), sorted(set(saved) - expected))
+    check_loaded_keys(index, model, sorted(expected - set(saved)), sorted(set(saved) - expected))
     return saved
 
 
@@ -230,7 +230,7 @@ def _apply(read: dict[str, Any], objects: dict[str, Any], device: torch.device) 
             model.load_state_dict(saved, strict=False)  # names checked by _read_model (tied ones are saved once)
     sharding = strategy is not None and any(strategy.shards_model(model) for model in models)
     for optimizer, saved in zip(objects["optimizers"], read["optimizers"], strict=True):
-        owner = _owner(optimizer, models) if sharding else None
+        owner = optimizer_owner(optimizer, models) if sharding else None
         if owner is not None and strategy.shards_model(owner):  # the whole state, cut to this rank's shards
             sharded_checkpoint.load_full_optimizer(owner, optimizer, saved)
         else:

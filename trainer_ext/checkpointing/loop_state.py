@@ -27,7 +27,8 @@ from trainer_ext.checkpointing import sharded as sharded_checkpoint
 from trainer_ext.checkpointing.commit import commit, set_aside, staging
 from trainer_ext.checkpointing.links import refuse_link, refuse_links_under
 from trainer_ext.checkpointing.marker import COMPLETE, LOOP, CheckpointError, is_complete, read_marker
-from trainer_ext.checkpointing.saving import tied_groups, unique_state_dict
+from trainer_ext.checkpointing.model_keys import check_loaded_keys, optimizer_owner
+from trainer_ext.checkpointing.saving import unique_state_dict
 from trainer_ext.checkpointing.selection import newest_own_state
 from trainer_ext.checkpointing.together import verify_together
 from trainer_ext.checkpointing.verification import seal_hint
@@ -267,7 +268,7 @@ def load_state(
         missing, unexpected = model.load_state_dict(
             load_file(str(src / _numbered("model", i, ".safetensors"))), strict=False
         )
-        _check_keys(i, model, missing, unexpected)
+        check_loaded_keys(i, model, missing, unexpected)
     location = state.device
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(_load(src / _numbered("optimizer", i, ".bin"), map_location=location))
@@ -345,7 +346,7 @@ def save_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> N
     for i, model in enumerate(models):
         sharded_checkpoint.save_model(model, directory / f"model_{i}")
     for i, optimizer in enumerate(optimizers):
-        sharded_checkpoint.save_optimizer(_owner(optimizer, models), optimizer, directory / f"optimizer_{i}")
+        sharded_checkpoint.save_optimizer(optimizer_owner(optimizer, models), optimizer, directory / f"optimizer_{i}")
 
 
 def load_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> None:
@@ -359,7 +360,7 @@ def load_sharded(directory: Path, models: list[Any], optimizers: list[Any]) -> N
         else:
             _load_whole_into_shards(i, model, directory / _numbered("model", i, ".safetensors"))
     for i, optimizer in enumerate(optimizers):
-        owner = _owner(optimizer, models)
+        owner = optimizer_owner(optimizer, models)
         if sharded_checkpoint.has_sharded_optimizer(directory / f"optimizer_{i}"):
             sharded_checkpoint.load_optimizer(owner, optimizer, directory / f"optimizer_{i}")
         else:
@@ -371,31 +372,7 @@ def _load_whole_into_shards(i: int, model: torch.nn.Module, path: Path) -> None:
     """Every rank reads the whole file and keeps its shards of each tensor (nothing is sent between ranks)."""
     options = StateDictOptions(full_state_dict=True, strict=False)
     missing, unexpected = set_model_state_dict(model, load_file(str(path)), options=options)
-    _check_keys(i, model, missing, unexpected)
-
-
-def _check_keys(i: int, model: torch.nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """ConfigError unless the only names missing from a checkpoint are tied ones (saved once)."""
-    tied = {name for name in missing if _is_tied(model, name)}
-    if set(missing) - tied or unexpected:
-        raise ConfigError(
-            f"model {i} does not match the checkpoint: missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-
-
-def _owner(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module:
-    """The model whose parameters ``optimizer`` updates (its shards are keyed by that model's names)."""
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in models:
-        if any(id(p) in params for p in model.parameters()):
-            return model
-    raise ConfigError("an optimizer updates none of the prepared models' parameters; prepare its model too")
-
-
-def _is_tied(model: torch.nn.Module, name: str) -> bool:
-    """True when ``name`` holds the same tensor as another entry of the state dict (saved once)."""
-    return any(name in names for names in tied_groups(model.state_dict()))
+    check_loaded_keys(i, model, missing, unexpected)
 
 
 def latest_state(root: Path) -> Path:

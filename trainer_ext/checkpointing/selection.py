@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer_ext.checkpointing.accelerate_format import is_accelerate_checkpoint
 from trainer_ext.checkpointing.listing import sorted_checkpoints
 from trainer_ext.checkpointing.marker import COMPLETE, LOOP, TRAINER, TRAINER_STATE, CheckpointError, has_marker
 from trainer_ext.checkpointing.together import verify_together
@@ -168,8 +169,6 @@ def newest_state(root: str | os.PathLike) -> Path:
     """The checkpoint ``load_state()`` resumes under ``root``: the ``save_state`` folder of ours committed last
     (:func:`newest_complete` with ``kind="loop"``), or accelerate's highest ``checkpoint_<n>`` (its rule) when that
     one is newer (a job started under accelerate). ConfigError when there is neither."""
-    from trainer_ext.checkpointing.accelerate_format import is_accelerate_checkpoint  # it builds on loop_state
-
     root = Path(root)
     found = numbered_states(root) if root.is_dir() else []
     theirs = [pair for pair in found if is_accelerate_checkpoint(pair[1])]
