@@ -110,7 +110,7 @@ GENERIC = (
     *(f"distributed/{name}.py" for name in ("engine", "optimizer", "precision", "accumulation", "state", "rules")),
     *(f"distributed/{name}.py" for name in ("collectives", "engine_names")),
     *(f"accelerator/{name}.py" for name in ("accelerator", "checkpoints", "options", "processes", "scheduler")),
-    *(f"accelerator/{name}.py" for name in ("setup", "tracking")),
+    *(f"accelerator/{name}.py" for name in ("setup", "tracking", "preparing", "step")),
     "trainer/trainer.py",
     "trainer/sharded.py",
     "trainer/checkpoints.py",
@@ -139,6 +139,7 @@ BACKEND_WORDS = (
 SPEAKS_BACKEND_API = (
     "accelerator/accelerator.py",
     "accelerator/setup.py",
+    "accelerator/preparing.py",
     "trainer/trainer.py",
     "trainer/training_args.py",
     "distributed/state.py",

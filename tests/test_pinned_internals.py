@@ -435,10 +435,10 @@ def test_engine_methods_and_arguments_we_call() -> None:
 
 @pytest.mark.deepspeed
 def test_engine_counts_skipped_steps(ds_run) -> None:
-    """``engine.skipped_steps``: backward_and_step reports an fp16 overflow by its growth."""
+    """``engine.skipped_steps``: DeepSpeedStrategy.backward reports an fp16 overflow by its growth."""
     _, results = ds_run
     assert all(isinstance(results[name]["skipped_steps"], int) for name, _, _ in DS_SAVES), (
-        f"DeepSpeedEngine.skipped_steps is gone: update backward_and_step in {DS_STRATEGY}"
+        f"DeepSpeedEngine.skipped_steps is gone: update DeepSpeedStrategy.backward in {DS_STRATEGY}"
     )
 
 

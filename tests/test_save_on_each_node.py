@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.ranks import child_env
 from trainer_ext import Accelerator, ProjectConfiguration
-from trainer_ext.accelerator.checkpoints import CheckpointsMixin
+from trainer_ext.accelerator.checkpoints import writes_saves
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_the_writer_follows_accelerates_rule(each_node: bool, main: bool, local_
         is_main_process=main,
         is_local_main_process=local_main,
     )
-    assert CheckpointsMixin._writes_saves(fake) is writes
+    assert writes_saves(fake) is writes
 
 
 @pytest.mark.parametrize("each_node", [False, True])

@@ -24,6 +24,7 @@ from trainer_ext.accelerator.loop_helpers import get_logger
 from trainer_ext.checkpointing import accelerate_format, links
 from trainer_ext.checkpointing import loop_state as checkpoint
 from trainer_ext.checkpointing.marker import COMPLETE
+from trainer_ext.distributed.precision import Precision
 from trainer_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,7 @@ def unwrap_module(
     """The user's module; ``keep_fp32_wrapper=False`` also removes the autocast patch of ``forward``."""
     inner = engine.unwrap_model(model, keep_torch_compile=keep_torch_compile)
     if not keep_fp32_wrapper:
-        base = engine.unwrap_model(inner, keep_torch_compile=False)
-        if "_original_forward" in base.__dict__:
-            base.forward = base.__dict__.pop("_original_forward")
-            base.__dict__.pop("_trainer_ext_autocast", None)
+        Precision.restore_forward(engine.unwrap_model(inner, keep_torch_compile=False))
     return inner
 
 
@@ -233,8 +231,7 @@ class StateCheckpoints:
         return aside
 
     def _hidden_from_hooks(self, model: torch.nn.Module) -> bool:
-        strategy = self.engine.strategy
-        return bool(strategy.own_checkpoint_format or strategy.shards_model(model))
+        return self.engine.strategy.writes_training_state(model)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, weights, output_dir)`` runs in ``save_state`` before anything is written; removing an entry

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer_ext.distributed.memory import clear_device_cache, should_reduce_batch_size
 from trainer_ext.distributed.state import detect_topology
 from trainer_ext.env_vars import LOG_LEVEL
-from trainer_ext.trainer.compat import clear_device_cache, should_reduce_batch_size
 
 
 def find_executable_batch_size(

@@ -1,4 +1,4 @@
-"""The one place that knows transformers' private internals (tested: transformers >=5.17,<5.25; newer ones warn).
+"""What the Trainer needs of transformers' private internals (tested: transformers >=5.17,<5.25; newer ones warn).
 
 transformers' ``trainer.py`` and ``training_args.py`` bind a few accelerate names at module level only
 when accelerate is installed, yet reach them on every run (``DistributedType`` in ``_run_epoch``,
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -29,6 +27,7 @@ from packaging.version import Version
 from trainer_ext.checkpointing.safe_globals import numpy_rng_safe_globals as numpy_rng_safe_globals
 from trainer_ext.distributed.data.loader import skip_first_batches as _our_skip_first_batches
 from trainer_ext.distributed.data.prepared import TrackedIteration
+from trainer_ext.distributed.memory import clear_device_cache, release_memory, should_reduce_batch_size
 from trainer_ext.distributed.state import DistributedType
 
 TESTED_TRANSFORMERS = (Version("5.17.0"), Version("5.25.0"))  # [oldest, first untested): CI's compat subset
@@ -59,42 +58,6 @@ def check_transformers_version(version: str | None = None) -> None:
             UserWarning,
             stacklevel=2,
         )
-
-
-def clear_device_cache(garbage_collection: bool = False) -> None:
-    """Free cached accelerator memory (``torch_empty_cache_steps``)."""
-    if garbage_collection:
-        gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    elif hasattr(torch, "mps") and torch.backends.mps.is_available():
-        torch.mps.empty_cache()
-
-
-def release_memory(*objects: Any) -> list[None]:
-    """Drop references and free cached memory; returns ``None`` for each object passed."""
-    objects = list(objects)
-    for i in range(len(objects)):
-        objects[i] = None
-    clear_device_cache(garbage_collection=True)
-    return objects
-
-
-def should_reduce_batch_size(exception: Exception) -> bool:
-    """True when ``exception`` is an out-of-memory error."""
-    messages = (
-        "CUDA out of memory.",
-        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
-        "DefaultCPUAllocator: can't allocate memory",
-        "out of memory",
-    )
-    if isinstance(exception, torch.OutOfMemoryError):
-        return True
-    return (
-        isinstance(exception, RuntimeError)
-        and len(exception.args) == 1
-        and any(m in exception.args[0] for m in messages)
-    )
 
 
 def _routing_skip_first_batches(original: Any) -> Any:
