@@ -130,6 +130,7 @@ BACKEND_WORDS = (
     "owns_loss_scaling",
     "joint_prepare",
     "wraps_for_evaluation",
+    "own_checkpoint_format",
     "backward_and_step",
 )
 # generic files that must speak a public API naming the backend, so their code may say "deepspeed": accelerate's

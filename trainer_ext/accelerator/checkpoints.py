@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from trainer_ext.accelerator.loop_helpers import get_logger
-from trainer_ext.checkpointing import accelerate_format, links
+from trainer_ext.checkpointing import accelerate_format, links, selection
 from trainer_ext.checkpointing import loop_state as checkpoint
 from trainer_ext.checkpointing.marker import COMPLETE
 from trainer_ext.distributed.precision import Precision
@@ -29,41 +28,6 @@ from trainer_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 progress = get_logger(__name__)  # accelerate's progress lines: INFO, "[RANK 0] ", the main process only
-_NUMBERED = re.compile(r"checkpoint_(\d+)")
-
-
-def numbered_folders(root: Path) -> list[tuple[int, Path]]:
-    """The ``checkpoint_<n>`` folders automatic checkpoint naming wrote under ``root``, with their numbers."""
-    found = (_NUMBERED.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
-    return [(int(match.group(1)), root / match.group(0)) for match in found if match]
-
-
-def _saved_at(folder: Path) -> int:
-    """When a checkpoint was committed: its marker's time (ours), else its newest file's (accelerate's)."""
-    if (folder / COMPLETE).is_file():
-        return (folder / COMPLETE).stat().st_mtime_ns
-    if not folder.is_dir():  # ours, interrupted while replacing it: its complete copy is beside it
-        copies = (folder.with_name(f".{folder.name}{end}") / COMPLETE for end in (".saving", ".replaced"))
-        return max((marker.stat().st_mtime_ns for marker in copies if marker.is_file()), default=0)
-    return max((entry.stat().st_mtime_ns for entry in folder.iterdir() if entry.is_file()), default=0)
-
-
-def latest_checkpoint(root: Path) -> Path:
-    """The checkpoint ``load_state()`` resumes under ``root``: the newest complete one of ours, or accelerate's
-    highest ``checkpoint_<n>`` (its rule) when that one is newer (a job started under accelerate)."""
-    found = numbered_folders(root) if root.is_dir() else []
-    theirs = [pair for pair in found if accelerate_format.is_accelerate_checkpoint(pair[1])]
-    if not theirs:
-        return checkpoint.latest_state(root)
-    newest = max(theirs)[1]
-    try:
-        ours = checkpoint.latest_state(root)
-    except ConfigError:
-        return newest
-    mine, other = _NUMBERED.fullmatch(ours.name), _NUMBERED.fullmatch(newest.name)
-    if mine is not None and other is not None:
-        return ours if int(mine.group(1)) > int(other.group(1)) else newest
-    return ours if _saved_at(ours) >= _saved_at(newest) else newest
 
 
 def writes_saves(host: Any) -> bool:
@@ -197,7 +161,7 @@ class StateCheckpoints:
         if self.host.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
         self.host.wait_for_everyone()  # every process looks at the folder after the main one made it
-        saved = sorted(numbered_folders(root), key=lambda pair: pair[0])
+        saved = sorted(selection.numbered_states(root), key=lambda pair: pair[0])
         extra = len(saved) + 1 - config.total_limit if config.total_limit is not None else 0
         doomed = [folder for _, folder in saved[: max(extra, 0)]]
         folder = root / f"checkpoint_{config.iteration}"
@@ -320,7 +284,7 @@ class StateCheckpoints:
         if input_dir is not None:
             input_dir = os.path.expanduser(input_dir)
         else:
-            input_dir = latest_checkpoint(self._checkpoints_root("load_state()"))
+            input_dir = selection.newest_state(self._checkpoints_root("load_state()"))
         objects = self._checkpoint_objects()
         if self.load_hooks:  # hooks see the models loaded from whole files, as in accelerate
             visible = [m for m in objects["models"] if not self._hidden_from_hooks(m)]
@@ -352,7 +316,7 @@ class StateCheckpoints:
         ``checkpoint_<n+1>``: accelerate leaves ``iteration`` as it was, so its next save collides or reuses a lower
         number (a ``total_limit`` rotation would then delete the newest checkpoints first)."""
         config = self.config
-        match = _NUMBERED.fullmatch(folder.name)
+        match = selection.NUMBERED_STATE.fullmatch(folder.name)
         if not (config.automatic_checkpoint_naming and self.config.project_dir is not None and match):
             return
         if folder.parent.resolve() == self._checkpoints_root("load_state()").resolve():

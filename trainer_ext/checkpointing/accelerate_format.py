@@ -97,7 +97,7 @@ def _refuse_unsupported(src: Path, strategy: Any) -> None:
             "whole-model checkpoints only (saved without FSDP, DeepSpeed or Megatron-LM); resume it under "
             "accelerate, or start a new run from its consolidated weights"
         )
-    if strategy is not None and strategy.own_checkpoint_format:
+    if strategy is not None and not strategy.loads_whole_model_state():
         raise ConfigError(
             f"{str(src)!r} is an accelerate checkpoint of whole models, and this run uses {strategy.title}, which "
             f"trainer_ext resumes only from its own checkpoints; continue it without {strategy.title}, or under "

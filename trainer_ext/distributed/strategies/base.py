@@ -247,11 +247,6 @@ class Strategy:
         """True when a loop checkpoint of whole models (accelerate's, or ours without sharding) resumes here."""
         return True
 
-    @property
-    def own_checkpoint_format(self) -> bool:
-        """Read by callers not yet moved to the methods above: True when whole-model loop states do not resume."""
-        return not self.loads_whole_model_state()
-
     @classmethod
     def has_own_checkpoint(cls, directory: str | os.PathLike) -> bool:
         """True when ``directory`` holds a checkpoint in this backend's own format (only this backend resumes it)."""
