@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from tests.helpers.ranks import child_env
 from tests.helpers.tiny import tiny_llama
-from trainer_ext.checkpointing import durable, listing, safe_dcp, verification
+from trainer_ext.checkpointing import deepspeed_files, durable, listing, safe_dcp, verification
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -468,22 +468,20 @@ def test_deepspeed_file_names_carry_the_data_parallel_rank(ds_run) -> None:
 
 @pytest.mark.deepspeed
 def test_deepspeed_files_hold_only_the_classes_verify_allows(ds_run) -> None:
-    """verification.DEEPSPEED_CLASSES: the classes DeepSpeed pickles besides tensors (its files are loaded in full by
+    """deepspeed_files.CLASSES: the classes DeepSpeed pickles besides tensors (its files are loaded in full by
     DeepSpeed, so verify loads them ``weights_only`` with these stood in for); a real save verifies."""
-    for dotted in verification.DEEPSPEED_CLASSES:
+    for dotted in deepspeed_files.CLASSES:
         module, _, name = dotted.rpartition(".")
         assert hasattr(importlib.import_module(module), name), (
-            f"DeepSpeed moved {dotted}: update DEEPSPEED_CLASSES in trainer_ext/checkpointing/verification.py"
+            f"DeepSpeed moved {dotted}: update CLASSES in trainer_ext/checkpointing/deepspeed_files.py"
         )
     out, _ = ds_run
     for name, _, _ in DS_SAVES:
         for path in sorted((out / name).rglob("*.pt")):
             try:
-                verification.load_deepspeed_file(path)
+                deepspeed_files.load_file(path)
             except Exception as error:
-                pytest.fail(
-                    f"{name}/{path.name} holds a class outside verification.DEEPSPEED_CLASSES: add it ({error})"
-                )
+                pytest.fail(f"{name}/{path.name} holds a class outside deepspeed_files.CLASSES: add it ({error})")
         verification.verify(out / name, require_marker=False)
 
 

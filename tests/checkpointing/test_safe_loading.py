@@ -19,9 +19,9 @@ from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Trainer
 from trainer_ext.checkpointing import COMPLETE, CheckpointError, newest_complete, verify, write_marker
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
+from trainer_ext.checkpointing.deepspeed_files import check_file as check_deepspeed_file
 from trainer_ext.checkpointing.marker import seal
 from trainer_ext.checkpointing.safe_dcp import UnsafeCheckpointError, load_metadata
-from trainer_ext.checkpointing.verification import check_deepspeed_file
 from trainer_ext.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

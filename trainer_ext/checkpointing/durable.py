@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
+from trainer_ext.checkpointing import deepspeed_files
 from trainer_ext.env_vars import LOCAL_RANK
 
 # fsync refused because the file system cannot do it (some refuse it on folders, or read-only mounts): nothing
@@ -95,7 +96,7 @@ def crc32(path: str | os.PathLike, chunk: int = 1 << 22) -> int:
 
 
 _RANK_FILE = re.compile(
-    r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_[^/]*|random_states_(\d+)\.pkl)$"
+    rf"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth|{deepspeed_files.RANK_FILE}|random_states_(\d+)\.pkl)$"
 )
 
 

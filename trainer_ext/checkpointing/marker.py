@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_ext.checkpointing.durable import checksums, fsync_dir
+from trainer_ext.checkpointing.errors import CheckpointError as CheckpointError
 
 COMPLETE = "COMPLETE"
 MARKER_FORMAT = "trainer_ext_checkpoint"
@@ -25,10 +26,6 @@ TRAINER, LOOP = "trainer", "loop"
 KINDS = (TRAINER, LOOP)
 TRAINER_STATE = "trainer_state.json"
 SAVING = ".trainer_ext_saving"  # in a checkpoint folder while its save runs: a folder with it and no marker died
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory that must not be resumed from; the message says why."""
 
 
 def listed_files(directory: str | os.PathLike) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Verification of a checkpoint's contents: its files as committed, what its kind needs, every file safe to load.
 
-Safetensors headers, torch files (``weights_only=True``), DCP metadata (an allow-list) and DeepSpeed's files
-(``weights_only`` with its few classes) are opened; nothing in a checkpoint runs code while it is checked.
+Safetensors headers, torch files (``weights_only=True``), DCP metadata (an allow-list) and a DeepSpeed checkpoint's
+files (``deepspeed_files``) are opened; nothing in a checkpoint runs code while it is checked.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from trainer_ext.checkpointing import deepspeed_files
 from trainer_ext.checkpointing.durable import crc32
 from trainer_ext.checkpointing.marker import (
     COMPLETE,
@@ -39,12 +40,11 @@ WEIGHTS = (
     "adapter_model.safetensors",
     "adapter_model.bin",
     "model_sharded/.metadata",  # FSDP2 sharded state (checkpointing.sharded)
-    "latest",  # DeepSpeed's own checkpoint: its tag folder beside it
+    deepspeed_files.LATEST,  # DeepSpeed's own checkpoint: its tag folder beside it
 )
 LOOP_STATE = "random_states_0.pkl"  # an Accelerator state: process 0's random states are always written
 # pickled objects that are never loaded on resume (transformers writes the arguments object for reference)
 _NOT_LOADED = {"training_args.bin"}
-_LATEST_MAX = 256  # bytes: DeepSpeed's ``latest`` holds a tag name such as ``global_step1200``
 SEAL_COMMAND = "trainer-ext checkpoint seal"  # re-checks a folder changed by hand and commits it afresh (.audit)
 
 
@@ -104,76 +104,6 @@ def check_torch_file(path: Path) -> None:
     except Exception as error:  # truncated zip, bad pickle, or a global outside the weights-only allow-list
         reason = " ".join(str(error).split())[:300]
         raise CheckpointError(f"{path.name} cannot be loaded safely (weights_only=True): {reason}") from error
-
-
-def _in_deepspeed_folder(path: Path, root: Path) -> bool:
-    """A file of a DeepSpeed checkpoint's tag folder (``global_stepN/`` next to its ``latest`` file)."""
-    return path.parent != root and (path.parent.parent / "latest").is_file()
-
-
-class _Stand:
-    """Stands in for a DeepSpeed class while checking a file: built from its pickled state, never run."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
-# the classes DeepSpeed pickles into its checkpoints besides tensors and containers (loss scaler, ZeRO stage,
-# parameter fragment addresses); DeepSpeed unpickles them in full, so nothing else may be in its files
-DEEPSPEED_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
-def load_deepspeed_file(path: Path) -> Any:
-    """A DeepSpeed file loaded ``weights_only``, its own classes stood in for (no DeepSpeed import, no code run)."""
-    with torch.serialization.safe_globals([(_Stand, name) for name in DEEPSPEED_CLASSES]):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def check_deepspeed_file(path: Path) -> None:
-    """CheckpointError when a DeepSpeed file holds anything but tensors, containers and DeepSpeed's own classes."""
-    try:
-        load_deepspeed_file(path)
-    except Exception as error:  # a global outside torch's allow-list and DeepSpeed's classes, or a damaged file
-        reason = " ".join(str(error).split())[:300]
-        raise CheckpointError(
-            f"{path.parent.name}/{path.name} holds more than DeepSpeed saves (it could run code when DeepSpeed "
-            f"loads it): {reason}"
-        ) from error
-
-
-def check_deepspeed_latest(path: Path) -> None:
-    """``latest`` must name a real tag folder directly beside it: DeepSpeed loads whatever folder it names."""
-    size = path.stat().st_size
-    if size > _LATEST_MAX:
-        raise CheckpointError(
-            f"{path.name} has {size} bytes, more than a DeepSpeed tag name ({_LATEST_MAX} at most): it is corrupted "
-            "or crafted; pick another checkpoint"
-        )
-    try:
-        tag = path.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError as error:
-        raise CheckpointError(f"{path.name} is corrupted (not a tag name: {error})") from error
-    target = path.parent / tag
-    if (
-        not tag
-        or "/" in tag
-        or "\\" in tag
-        or tag in (".", "..")
-        or target.is_symlink()
-        or not target.is_dir()
-        or target.resolve().parent != path.parent.resolve()
-    ):
-        raise CheckpointError(
-            f"{path.name} names {tag!r}, which is not a checkpoint folder beside it (a plain folder, not a link)"
-        )
 
 
 def check_zip(path: Path) -> None:
@@ -279,11 +209,8 @@ def _check_file(src: Path, path: Path) -> None:
         check_safetensors(path)
     elif path.name == ".metadata":
         check_dcp_metadata(path)  # DCP unpickles it in full: only its own classes may be in it
-    elif path.name == "latest":
-        check_deepspeed_latest(path)
-    elif path.suffix in (".pt", ".pth", ".bin") and _in_deepspeed_folder(path, src):
-        check_zip(path)  # DeepSpeed unpickles its files in full: whole, and weights-only with its own classes
-        check_deepspeed_file(path)
+    elif deepspeed_files.owns(src, path):
+        deepspeed_files.check(path, check_zip)
     elif path.suffix in (".pt", ".pth", ".bin") and path.name not in _NOT_LOADED:
         check_torch_file(path)
     elif path.suffix == ".json":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trainer_ext.checkpointing.verification import load_deepspeed_file
+from trainer_ext.checkpointing.deepspeed_files import load_file as load_deepspeed_file
 
 LATEST = "latest"  # the file DeepSpeed writes next to its global_stepN folders
 
