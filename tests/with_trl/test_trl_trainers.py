@@ -138,7 +138,8 @@ def test_adapted_trainer_matches_trl_on_its_stock_path(trainer: str) -> None:
     assert (
         ours["args_type"][1] == "trainer_ext.trainer.training_args.TrainingArguments"
     )  # re-based, TRL's config first
-    assert ours["args_type"][0] == stock["args_type"][0]
+    assert ours["args_type"][0] == "trainer_ext.trainer.adapt." + stock["args_type"][0].rsplit(".", 1)[1]
+    assert ours["args_type"][2] == stock["args_type"][0]  # TRL's config, right behind ours in the MRO
     assert len(ours["steps"]) == 6 and ours["final_step"] == stock["final_step"] == 6
     for step, loss in _losses(stock).items():
         assert ours["steps"][step]["loss"] == pytest.approx(loss, rel=SAME_PROCESS_COUNT_RTOL, abs=0.0), step
