@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, str, str]] = [
     ("CLI", "cli/ · cli/launch/", "trainer-ext train / launch / config / env / estimate / report / checkpoint / test"),
     (
         "job",
-        "job/ · job/data/",
+        "job/ · job/builtin_data/",
         "train(args): flags and config files, TrainJobArguments, data, model, LoRA, output folder",
     ),
     (

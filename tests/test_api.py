@@ -18,7 +18,7 @@ from trainer_ext.job.output_dir import RUN_FILE
 from trainer_ext.job.run import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
-DATA = Path(__file__).resolve().parents[1] / "trainer_ext" / "job" / "data"
+DATA = Path(__file__).resolve().parents[1] / "trainer_ext" / "job" / "builtin_data"
 
 
 def tiny(out, **overrides):

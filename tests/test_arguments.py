@@ -17,7 +17,7 @@ from trainer_ext.job.arguments import (
     job_arguments_from_dict,
     looks_local,
 )
-from trainer_ext.job.data import CORPUS, SENTIMENT, make_dataset
+from trainer_ext.job.builtin_data import CORPUS, SENTIMENT, make_dataset
 
 
 def test_builtin_job_defaults():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from trainer_ext.errors import ConfigError  # noqa: E402
 from trainer_ext.job.arguments import job_arguments_from_dict  # noqa: E402
-from trainer_ext.job.data.checks import MAX_CLASSES  # noqa: E402
+from trainer_ext.job.builtin_data.checks import MAX_CLASSES  # noqa: E402
 from trainer_ext.job.run import label_names, load_raw_datasets, resolve_columns  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TRAINER_EXT_FUZZ_EXAMPLES", "60"))

@@ -12,9 +12,9 @@ import pytest
 from trainer_ext.errors import ConfigError
 from trainer_ext.job import output_dir
 from trainer_ext.job.arguments import TrainJobArguments
-from trainer_ext.job.data import CORPUS, SENTIMENT
+from trainer_ext.job.builtin_data import CORPUS, SENTIMENT
 
-OTHER_INSTALL = "/opt/elsewhere/lib/python3.12/site-packages/trainer_ext/job/data/sentiment.jsonl"
+OTHER_INSTALL = "/opt/elsewhere/lib/python3.12/site-packages/trainer_ext/job/builtin_data/sentiment.jsonl"
 
 
 def recorded(out: Path, job: dict) -> None:

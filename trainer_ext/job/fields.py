@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer_ext.errors import ConfigError, did_you_mean
-from trainer_ext.job.data import CORPUS, SENTIMENT
-from trainer_ext.job.data.checks import check_data_file
+from trainer_ext.job.builtin_data import CORPUS, SENTIMENT
+from trainer_ext.job.builtin_data.checks import check_data_file
 
 TASKS = ("sequence-classification", "causal-lm")
 

@@ -2,7 +2,7 @@
 
 The flags come from ``TrainJobArguments`` through transformers' ``HfArgumentParser``, which needs torch and
 transformers (seconds under load). A spec of them — each flag's names, type, choices, default and help — ships in
-``job/data/train_flags.json``, keyed by the transformers version and a hash of our arguments' source files; when
+``job/builtin_data/train_flags.json``, keyed by the transformers version and a hash of our arguments' source files; when
 the key does not match (another transformers, an edited checkout) the spec is rebuilt from the parser once and kept
 in the user's cache folder. ``tests/test_flag_spec.py`` checks the shipped file is current; after a flag changes,
 ``python -m trainer_ext.job.flags`` rewrites it.
@@ -22,7 +22,7 @@ from typing import Any
 
 from trainer_ext.errors import ConfigError, closest
 
-SHIPPED = Path(__file__).parent / "data" / "train_flags.json"
+SHIPPED = Path(__file__).parent / "builtin_data" / "train_flags.json"
 PACKAGE = Path(__file__).resolve().parent.parent
 # the modules whose dataclass fields are the flags (their text is hashed into the spec's key)
 SOURCES = (

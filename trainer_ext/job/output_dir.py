@@ -22,7 +22,7 @@ from trainer_ext.checkpointing.selection import newest_complete, requested_check
 from trainer_ext.errors import ConfigError
 from trainer_ext.job import run_lock
 from trainer_ext.job.arguments import TrainJobArguments
-from trainer_ext.job.data import CORPUS, SENTIMENT
+from trainer_ext.job.builtin_data import CORPUS, SENTIMENT
 
 RUN_FILE = "trainer_ext_run.json"
 RUN_FILE_TMP = f".{RUN_FILE}.tmp"
@@ -55,12 +55,12 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 SHIPPED_FILES = (SENTIMENT, CORPUS)
 DATA_KEYS = ("train_file", "validation_file")
 # where an install keeps the shipped data, and where it kept it before the data moved under job/
-SHIPPED_AT = (("trainer_ext", "job", "data"), ("trainer_ext", "data"))
+SHIPPED_AT = (("trainer_ext", "job", "builtin_data"), ("trainer_ext", "data"))
 
 
 def shipped_name(path: Any) -> str | None:
     """``<built-in NAME>`` when ``path`` is a data file shipped with the package, wherever it is installed (this
-    install's file, or a path recorded by another: ``.../trainer_ext/job/data/NAME``); else None."""
+    install's file, or a path recorded by another: ``.../trainer_ext/job/builtin_data/NAME``); else None."""
     if not isinstance(path, str) or not path:
         return None
     for shipped in SHIPPED_FILES:

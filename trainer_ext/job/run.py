@@ -21,7 +21,7 @@ from trainer_ext.distributed import cpu_threads
 from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.job import output_dir
 from trainer_ext.job.arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
-from trainer_ext.job.data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows, class_count
+from trainer_ext.job.builtin_data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows, class_count
 from trainer_ext.job.lora import MERGED_DIR, apply_lora, save_merged
 from trainer_ext.job.model_limits import check_job_config, check_model_config, load_model_config
 from trainer_ext.metrics.for_trainer import TrainerMetrics, build_metrics

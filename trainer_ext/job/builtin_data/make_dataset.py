@@ -1,7 +1,7 @@
 """Regenerate the shipped data files deterministically, so the default job's data is reproducible.
 
-Run ``python -m trainer_ext.job.data.make_dataset`` to rewrite the files next to this module, or
-``python -m trainer_ext.job.data.make_dataset --out DIR`` to write them elsewhere (the tests compare).
+Run ``python -m trainer_ext.job.builtin_data.make_dataset`` to rewrite the files next to this module, or
+``python -m trainer_ext.job.builtin_data.make_dataset --out DIR`` to write them elsewhere (the tests compare).
 """
 
 from __future__ import annotations
