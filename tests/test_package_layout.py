@@ -100,3 +100,13 @@ def test_the_check_sees_an_upward_import() -> None:
     found = _imported_units(text, ["trainer_ext", "distributed", "strategies"])
     assert found == [(2, "trainer"), (3, "values")]
     assert "trainer" not in ALLOWED["distributed"]
+
+
+def test_every_module_is_small() -> None:
+    """Modules stay single-purpose: 500 lines at most (split by concept before adding the 501st)."""
+    long = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert long == {}
