@@ -167,7 +167,7 @@ ALLOWED: list[Allowed] = [
         path=r"(^|\.)(checkpoint-\d+_)?training_args_bin$",
         kind=r"^value$",
         stock=r"^transformers\.training_args\.TrainingArguments$",
-        ours=r"^trainer_ext\.training_args\.TrainingArguments$",
+        ours=r"^trainer_ext\.trainer\.training_args\.TrainingArguments$",
     ),
 ]
 
