@@ -17,7 +17,7 @@ from _common import pad, parse_args, shared_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 from trainer_ext import Accelerator
-from trainer_ext.job.data import CORPUS
+from trainer_ext.job.builtin_data import CORPUS
 
 PROMPT = "hugo has two pears ."
 

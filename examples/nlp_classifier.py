@@ -15,7 +15,7 @@ from _common import pad, parse_args, shared_tokenizer
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 from trainer_ext import Accelerator
-from trainer_ext.job.data import SENTIMENT
+from trainer_ext.job.builtin_data import SENTIMENT
 
 LABELS = {"negative": 0, "positive": 1}
 PROBES = ["i felt the music was really thrilling .", "the plot was so slow and dull ."]
