@@ -60,7 +60,7 @@ STEPS = (
     Step("fp8", "benchmarks.gpu_kit.fp8", 90, 150, 30),
     Step("estimate", "benchmarks.gpu_kit.estimate_step", 90, 180, 35),
     Step("tests", "benchmarks.gpu_kit.tests_step", 150, 180, 80),
-    Step("throughput_1b", "benchmarks.gpu_kit.throughput", 240, 240, 170),
+    Step("throughput_1b", "benchmarks.gpu_kit.throughput", 270, 240, 170),
 )
 MIN_STEP_S = 15  # a step is not started with less of the budget left
 OFFLINE = {

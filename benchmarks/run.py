@@ -55,10 +55,15 @@ STOCK_FSDP_CONFIG = {
 STOCK_FSDP_ON_CPU = (
     "transformers' Trainer under FSDP on the CPU: accelerate enables FSDP on GPUs only (it would run DDP)"
 )
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+# dense bf16 peak FLOP/s (SXM parts; the H200 has the H100's compute)
+PEAK_BF16_FLOPS = {
+    "H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+}  # fmt: skip
 
 
-def _model_and_data(cfg: dict[str, Any], n_samples: int, dtype: Any = None):
+def _model_and_data(cfg: dict[str, Any], n_samples: int, device: Any = "cpu"):
+    """The config's Llama, its weights made on ``device`` (a GPU initialises a 1B model in a second, the CPU in
+    tens of seconds), and ``n_samples`` random sequences."""
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,7 +79,8 @@ def _model_and_data(cfg: dict[str, Any], n_samples: int, dtype: Any = None):
         max_position_embeddings=cfg["seq"],
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab"], (n_samples, cfg["seq"]), generator=g)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}).with_format("torch")
@@ -285,7 +291,7 @@ def run_plain(
     from transformers import get_linear_schedule_with_warmup
 
     clock = _Clock(warmup)
-    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    model, data = _model_and_data(cfg, steps * cfg["batch"], device)
     model.to(device).train()
     if fsdp:
         if not dist.is_initialized():
@@ -332,7 +338,7 @@ def run_accelerator(
         fsdp_config=str(FSDP_PRESET) if fsdp else None,
     )
     setup = time.perf_counter() - started
-    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    model, data = _model_and_data(cfg, steps * cfg["batch"], device)
     if compile_model:
         model.compile()
     accelerator_loop(accelerator, model, data, cfg, steps, clock, device)
@@ -358,7 +364,7 @@ def run_trainer(
         from trainer_ext import Trainer as trainer_cls
         from trainer_ext import TrainingArguments as args_cls
 
-    model, data = _model_and_data(cfg, steps * cfg["batch"])
+    model, data = _model_and_data(cfg, steps * cfg["batch"], device)
     optim = "adamw_torch_fused" if device.type == "cuda" else "adamw_torch"
     sharding = {}
     if fsdp:

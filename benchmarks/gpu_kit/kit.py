@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-# dense bf16 peak FLOP/s of the GPUs the kit knows (SXM parts; the H200 has the H100's compute)
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 class Skip(Exception):
@@ -147,6 +145,8 @@ def emit(result: dict[str, Any]) -> None:
 
 def peak_bf16_flops(device_name: str) -> float | None:
     """The dense bf16 peak of the named GPU, None for one the kit does not know (and for the CPU)."""
+    from benchmarks.run import PEAK_BF16_FLOPS
+
     return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
 
 
@@ -166,6 +166,14 @@ def rel_diff(a: list[float], b: list[float]) -> float:
     if len(a) != len(b):
         raise ValueError(f"curves of different lengths: {len(a)} and {len(b)}")
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def hide_accelerate() -> None:
+    """From now on this process cannot import accelerate (nor peft, which needs it), as where it is not installed:
+    trainer_ext's runs start with this, so transformers sees no accelerate and any import of it by ours fails."""
+    from tests.parity_harness.workload import hide_accelerate as hide
+
+    hide()
 
 
 def accelerate_imported() -> bool:
