@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.helpers.device import switch_problem
 from tests.helpers.slowness import SCALE, scaled
 
 # One CPU thread per process unless the caller chose (tests start several processes on 2 cores; torch's default of
@@ -48,7 +49,11 @@ def _scaling(method):
 
 def pytest_configure(config: pytest.Config) -> None:
     """A subprocess's ``timeout=`` in tests and helpers (``run``, ``communicate``, ``wait``) is a hang guard: scaled
-    like the timeout markers (``subprocess.run`` waits through ``communicate``)."""
+    like the timeout markers (``subprocess.run`` waits through ``communicate``). A bad ``TRAINER_EXT_TEST_DEVICE``
+    stops the session: it never runs on the CPU in silence."""
+    problem = switch_problem()
+    if problem is not None:
+        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
     for name in ("communicate", "wait"):
         method = getattr(subprocess.Popen, name)
         if not hasattr(method, "__wrapped__"):

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.distributed.auto_batch_job import JOBS, Memory, Regressor, Rows
+from tests.helpers.device import use_cpu
 from tests.helpers.ranks import run_ranks
 from tests.helpers.tiny import pad_right, ragged_lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
@@ -33,7 +34,7 @@ SHAPE_LINE = "auto_find_batch_size: out of memory at per-device batch"
 def make_args(out: Path, **overrides: Any) -> TrainingArguments:
     base = dict(
         output_dir=str(out),
-        use_cpu=True,
+        use_cpu=use_cpu(),  # TRAINER_EXT_TEST_DEVICE (tests/helpers/device.py)
         report_to=[],
         num_train_epochs=2,
         learning_rate=5e-2,

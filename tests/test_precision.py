@@ -64,7 +64,7 @@ def test_shorter_last_window_is_normalised_by_its_own_tokens(tmp_path: Path) -> 
     assert trainer.state.global_step == 3 and len(recorder.batches) == 10
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
-    reference = tiny_llama(0)
+    reference = tiny_llama(0).to(trainer.args.device)
     reference.load_state_dict(recorder.weights)
     window = torch.cat(recorder.batches[-2:])
     assert window.shape == (4, 12)

@@ -1,7 +1,7 @@
 """The fp16 loss scaler's state survives a checkpoint: ``Accelerator.save_state`` and the Trainer's ``scaler.pt``.
 
-fp16 needs an accelerator, so these put a real CPU ``torch.amp.GradScaler`` where the engine keeps its scaler; the
-save and resume paths are the ones a GPU run takes.
+fp16 needs an accelerator, so these put a real ``torch.amp.GradScaler`` (on the test device, tests/helpers/device.py)
+where the engine keeps its scaler; the save and resume paths are the ones a GPU run takes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.device import chosen_device, use_cpu
 from tests.helpers.jobs import StopAt, make_args
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator, Trainer
@@ -22,11 +23,11 @@ BATCH = {k: torch.tensor(v) for k, v in lm_dataset(2, seed=1)[:2].items()}
 
 def _scaler() -> torch.amp.GradScaler:
     """Doubles its scale after every step without inf/NaN: the scale counts the steps it has seen."""
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    return torch.amp.GradScaler(chosen_device(), init_scale=2.0**10, growth_interval=1)
 
 
 def _accelerator(project: Path) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer]:
-    accelerator = Accelerator(cpu=True, project_dir=project, seed=0)
+    accelerator = Accelerator(cpu=use_cpu(), project_dir=project, seed=0)
     accelerator.engine.precision.scaler = _scaler()
     model = tiny_llama(0)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -35,8 +36,9 @@ def _accelerator(project: Path) -> tuple[Accelerator, torch.nn.Module, torch.opt
 
 def test_accelerator_save_state_restores_the_scaler(tmp_path: Path) -> None:
     accelerator, model, optimizer = _accelerator(tmp_path)
+    batch = {k: v.to(accelerator.device) for k, v in BATCH.items()}
     for _ in range(3):
-        accelerator.backward(model(**BATCH).loss)
+        accelerator.backward(model(**batch).loss)
         optimizer.step()
         optimizer.zero_grad()
     saved = accelerator.scaler.state_dict()

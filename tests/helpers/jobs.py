@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
+from tests.helpers.device import use_cpu
 from tests.helpers.tiny import lm_dataset, pad_right, ragged_lm_dataset, tiny_llama
 from trainer_ext import Trainer, TrainingArguments
 
@@ -36,7 +37,7 @@ def make_args(out: Path | str, **overrides) -> TrainingArguments:
         report_to="none",
         seed=0,
         disable_tqdm=True,
-        use_cpu=True,
+        use_cpu=use_cpu(),  # TRAINER_EXT_TEST_DEVICE (tests/helpers/device.py): the CPU unless it says cuda
     )
     base.update(overrides)
     return TrainingArguments(**base)
@@ -178,7 +179,7 @@ def accumulation_parity_job(out: Path, per_device_batch: int, grad_accum: int, b
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest absolute difference between two state dicts with the same keys."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(float((a[k].float() - b[k].float().to(a[k].device)).abs().max()) for k in a)
 
 
 def assert_fp32_parity(run: ParityRun, reference: ParityRun, weights_tol: float = 1e-5) -> None:

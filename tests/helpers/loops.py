@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import default_data_collator, get_linear_schedule_with_warmup
 
+from tests.helpers.device import use_cpu
 from tests.helpers.tiny import lm_dataset, tiny_llama
 from trainer_ext import Accelerator, DataLoaderConfiguration
 from trainer_ext.distributed import collectives
@@ -69,7 +70,7 @@ def train_loop(
 ) -> tuple[Accelerator, dict[str, torch.Tensor], dict]:
     """The accelerate-example loop: accumulate, backward, clip, step, schedule, zero_grad."""
     accelerator = Accelerator(
-        cpu=True,
+        cpu=use_cpu(),
         gradient_accumulation_steps=grad_accum,
         # the same order on any number of processes (accelerate's default reshuffles from the global RNG)
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import get_linear_schedule_with_warmup, set_seed
 
+from tests.helpers.device import use_cpu
 from trainer_ext import Accelerator
 
 SAMPLES = 100
@@ -35,7 +36,7 @@ def run(
 ) -> dict[str, Any]:
     """Train; record per epoch the sample ids of each step (this rank), the LRs, and the final weights."""
     set_seed(0)
-    accelerator = Accelerator(cpu=True, **(accelerator_kwargs or {}))
+    accelerator = Accelerator(cpu=use_cpu(), **(accelerator_kwargs or {}))
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=True)
