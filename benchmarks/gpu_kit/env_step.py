@@ -36,13 +36,21 @@ def run(ctx: Context) -> None:
             capability=".".join(map(str, torch.cuda.get_device_capability(0))),
             memory_gib=round(props.total_memory / 2**30, 1),
             multiprocessors=props.multi_processor_count,
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            nccl=_nccl_version(),
             bf16_supported=torch.cuda.is_bf16_supported(),
             peak_bf16_tflops=(peak_bf16_flops(name) or 0) / 1e12 or None,
         )
         ctx.check(peak_bf16_flops(name) is not None, f"no dense bf16 peak known for {name!r}: MFU is not reported")
     else:
         ctx.record(device_name="cpu", cpu_count=torch.get_num_threads())
+
+
+def _nccl_version() -> str:
+    """NCCL's version as torch reports it (a tuple in recent releases, an int in older ones)."""
+    import torch
+
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def summarize(f: dict[str, Any]) -> list[str]:
