@@ -116,7 +116,9 @@ class SavedTensors:
         base = tensor._base if tensor._base is not None else tensor
         if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return tensor  # a weight, a view of one (w.T) or its gathered copy: counted with the weights
-        node = tensor.grad_fn
+        # autocast saves its low-precision copy of a Linear weight as a view (w.T, grad_fn TBackward0): look at the
+        # base. A view of a cast activation fails the next test (its cast does not come from a weight's AccumulateGrad)
+        node = base.grad_fn
         if node is not None and node.name() == "ToCopyBackward0":
             source = node.next_functions[0][0] if node.next_functions else None
             if source is not None and source.name() == "torch::autograd::AccumulateGrad":
