@@ -55,7 +55,7 @@ class Step:
 STEPS = (
     Step("env", "benchmarks.gpu_kit.env_step", 40, 90, 8),
     Step("precision", "benchmarks.gpu_kit.precision", 150, 240, 70),
-    Step("sharded", "benchmarks.gpu_kit.sharded", 150, 300, 75),
+    Step("sharded", "benchmarks.gpu_kit.sharded", 190, 300, 75),
     Step("dispatch", "benchmarks.gpu_kit.dispatch_step", 60, 120, 15),
     Step("fp8", "benchmarks.gpu_kit.fp8", 90, 150, 30),
     Step("estimate", "benchmarks.gpu_kit.estimate_step", 90, 180, 35),
