@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (run on the lent GPU machine)")
         for item in items:
-            if "gpu" in item.keywords:
+            if item.get_closest_marker("gpu") is not None:  # the marker, not a parameter id that reads "gpu"
                 item.add_marker(skip)
     for marker, (module, install) in EXTRAS.items():
         marked = [item for item in items if item.get_closest_marker(marker) is not None]
