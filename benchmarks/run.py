@@ -167,9 +167,28 @@ def torchrun_args(nproc: int) -> list[str]:
 
 
 def last_json(stdout: str) -> dict[str, Any]:
-    """The result a child printed: its last stdout line that is a JSON object (a launcher may print around it)."""
+    """The result a child printed: its last stdout line that is a JSON object (a launcher may print around it);
+    ValueError when it printed none."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise ValueError("the child printed no JSON result")
     return json.loads(lines[-1])
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the named GPU, None for one not in ``PEAK_BF16_FLOPS`` (and for the CPU)."""
+    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
+
+
+def peak_memory_mb(device: Any) -> float:
+    """This process's peak memory: CUDA's allocator peak on a GPU, the resident set's peak on the CPU."""
+    import resource
+
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _sync_fn(device: Any) -> Any:
@@ -381,7 +400,6 @@ def run_trainer(
 
 def _child(opts: argparse.Namespace) -> None:
     """Run one runner in this (fresh) process and print its result as JSON on the last line."""
-    import resource
 
     import datasets  # noqa: F401  (every runner needs them: imported before any clock starts)
     import torch
@@ -401,10 +419,7 @@ def _child(opts: argparse.Namespace) -> None:
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
     }[opts.child]
     result = runner(cfg, steps, opts.warmup, device, bf16, opts.torch_compile, opts.fsdp)
-    if device.type == "cuda":
-        result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        result["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_memory_mb"] = peak_memory_mb(device)
     result["tokens_per_s"] = result["steps_per_s"] * cfg["batch"] * cfg["seq"]
     result["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result["mfu"] = _mfu(cfg, result["tokens_per_s"], result["device"], bf16)
@@ -422,7 +437,7 @@ def _child(opts: argparse.Namespace) -> None:
 
 def _mfu(cfg: dict[str, Any], tokens_per_s: float, device: str, bf16: bool) -> float | None:
     """Model FLOPs utilisation: (6N + 12·L·H·S) FLOPs per token against the GPU's bf16 peak."""
-    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device), None)
+    peak = peak_bf16_flops(device)
     if peak is None or not bf16:
         return None
     h, layers, seq = cfg["hidden_size"], cfg["layers"], cfg["seq"]

@@ -47,6 +47,7 @@ from benchmarks.run import (  # noqa: E402
     has_cuda,
     hf_param_groups,
     last_json,
+    peak_memory_mb,
     shard_model,
     spread_text,
     tick_callback,
@@ -228,7 +229,6 @@ def run_trainer(
 
 def _child(opts: argparse.Namespace) -> None:
     """One rank of one run; rank 0 prints the result as JSON on its last line."""
-    import resource
 
     import datasets  # noqa: F401  (imported before the clock, as in benchmarks.run)
     import torch
@@ -259,10 +259,7 @@ def _child(opts: argparse.Namespace) -> None:
         "stock-trainer": lambda *a: run_trainer(*a, stock=True),
     }[framework]
     clock = runner(strategy, cfg, steps, opts.warmup, device, bf16)
-    if use_cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_memory_mb(device if use_cuda else "cpu")
     peak_t = torch.tensor([peak], device=device if use_cuda else "cpu")
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     cpu_t = torch.tensor([clock.cpu_per_step()], dtype=torch.float64, device=peak_t.device)

@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.run import peak_bf16_flops  # noqa: F401  (the kit's steps read the peak and memory from here)
+from benchmarks.run import peak_memory_mb as device_memory_mb  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -131,34 +134,18 @@ def tail(out: str, err: str, lines: int = 25) -> str:
 
 
 def last_json(stdout: str) -> dict[str, Any]:
-    """The result a child printed: its last stdout line that is a JSON object."""
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        raise ChildFailed("the child printed no JSON result")
-    return json.loads(lines[-1])
+    """The result a child printed (``benchmarks.run.last_json``); ChildFailed when it printed none."""
+    from benchmarks.run import last_json as read
+
+    try:
+        return read(stdout)
+    except ValueError as exc:
+        raise ChildFailed(str(exc)) from None
 
 
 def emit(result: dict[str, Any]) -> None:
     """A child's result: one JSON line on stdout (the last one the step reads)."""
     print(json.dumps(result, default=float), flush=True)
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of the named GPU, None for one the kit does not know (and for the CPU)."""
-    from benchmarks.run import PEAK_BF16_FLOPS
-
-    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name), None)
-
-
-def device_memory_mb(device: Any) -> float:
-    """The peak memory of this process: CUDA's allocator peak on a GPU, the resident set's peak on the CPU."""
-    import resource
-
-    import torch
-
-    if getattr(device, "type", device) == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rel_diff(a: list[float], b: list[float]) -> float:
