@@ -19,6 +19,10 @@ DEEPSPEED_CONFIG = "TRAINER_EXT_DEEPSPEED_CONFIG"
 FSDP_CONFIG = "TRAINER_EXT_FSDP_CONFIG"
 # the level of trainer_ext.get_logger's loggers when none is given (accelerate's name, read as accelerate reads it)
 LOG_LEVEL = "ACCELERATE_LOG_LEVEL"
+# the launch's N-D parallelism: accelerate's switch and its per-dimension sizes (PARALLELISM_CONFIG_TP_SIZE, ...), read
+# by a script's TrainingArguments and Accelerator that pass no parallelism_config, as under `accelerate launch`
+USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
+PARALLELISM_CONFIG_PREFIX = "PARALLELISM_CONFIG_"
 # where the launcher looks for its config file when --config_file is not given
 CONFIG_FILE = "TRAINER_EXT_CONFIG_FILE"
 
