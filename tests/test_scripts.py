@@ -274,6 +274,48 @@ def test_fsdp_script_dry_run_shows_the_preset_settings(launch_config) -> None:
     assert "--fsdp full_shard --fsdp_config" in proc.stdout.split("command:")[1]
 
 
+EXAMPLE = ["--config", str(ROOT / "configs" / "examples" / "causal_lm.yaml")]
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "args", "launch_options"),
+    [
+        ("tp.sh", {}, [], ["--num_processes", "2", "--tp_size", "2", "--gpu_ids", "all"]),
+        ("tp.sh", {"TP": "4", "DEVICE": "cpu", "DRY_RUN": "1"}, [], ["--num_processes", "4", "--tp_size", "4", "--cpu"]),
+        ("tp.sh", {"GPUS": "0,1"}, ["--model_config", "tiny-llama"], ["--num_processes", "2", "--tp_size", "2", "--gpu_ids", "0,1"]),
+        ("fsdp_tp.sh", {}, [], ["--num_processes", "4", "--dp_shard_size", "2", "--tp_size", "2", "--gpu_ids", "all"]),
+        (
+            "fsdp_tp.sh",
+            {"DP_REPLICATE": "2", "DP_SHARD": "2", "TP": "2", "FSDP_CONFIG": "configs/fsdp/full_shard.yaml", "DEVICE": "cpu"},
+            ["--config=my.yaml"],
+            ["--num_processes", "8", "--dp_shard_size", "2", "--tp_size", "2", "--dp_replicate_size", "2",
+             "--fsdp_config", "configs/fsdp/full_shard.yaml", "--cpu"],
+        ),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_scripts_build_the_launch_command(
+    tmp_path: Path, launch_config, script, env, args, launch_options
+) -> None:
+    """The argv tp.sh and fsdp_tp.sh give `trainer-ext`: the sizes, the process count they multiply to, and the
+    causal-LM example as the job unless the arguments name a config, a model or a task."""
+    environ = _stand_ins(tmp_path, launch_config, **{"trainer-ext": RECORD_ARGV})
+    proc = _script(script, *args, "--max_steps", "3", env={**environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    expected = ["launch", "--num_machines", "1", *launch_options, *(["--dry_run"] if "DRY_RUN" in env else [])]
+    expected += ["train", *(args or EXAMPLE), "--max_steps", "3"]
+    assert (tmp_path / "log" / "argv").read_text().splitlines() == expected
+
+
+@pytest.mark.parametrize(("script", "variable"), [("tp.sh", "TP"), ("fsdp_tp.sh", "DP_SHARD"), ("fsdp_tp.sh", "TP")])
+def test_tensor_parallel_scripts_refuse_a_size_that_is_no_count(
+    tmp_path: Path, launch_config, script, variable
+) -> None:
+    environ = _stand_ins(tmp_path, launch_config, **{"trainer-ext": RECORD_ARGV})
+    proc = _script(script, "--max_steps", "3", env={**environ, variable: "two"})
+    assert proc.returncode == 2 and not (tmp_path / "log" / "argv").exists()
+    assert proc.stderr.strip() == f"{variable}=two is not a process count: set {variable} to a whole number such as 2"
+
+
 SLURM = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": ""}
 
 
