@@ -128,6 +128,33 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         ),
     )
 
+    dp_replicate_size: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Number of model replicas (data parallel). With --dp_shard_size > 1 too: HSDP, each replica sharded "
+            "over dp_shard_size processes. Default: 1."
+        ),
+    )
+    dp_shard_size: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Number of processes FSDP2 shards the model, gradients and optimizer states over (data parallel). "
+            "Default: 1."
+        ),
+    )
+    tp_size: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Number of processes for tensor parallelism: each layer's weights are split across them by the model's "
+            "own plan (base_model_tp_plan), and they see the same batch. The sizes multiply to the number of "
+            "processes. Default: 1."
+        ),
+    )
+    cp_size: int | None = field(
+        default=None,
+        metadata=field_help("Number of processes for context parallelism (not supported yet: only 1). Default: 1."),
+    )
+
     def __post_init__(self) -> None:
         # every value's shape first: a list or mapping where a number goes must not reach anything below
         check_field_types(self, also=LOOSER_TYPES)
@@ -155,7 +182,23 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
             layers.insert(0, "preset")
         for layer in layers:
             self._fill(**AUTO_DEFAULTS.get(layer, {}))
+        self._set_parallelism()
         super().__post_init__()
+
+    def _set_parallelism(self) -> None:
+        """``parallelism_config`` from the size flags when any is above 1 (a bad size, cp_size > 1: one line)."""
+        from trainer_ext.job.parallel import TRAIN_SIZES, parallelism_from_sizes
+
+        sizes = {name: getattr(self, name) for name in TRAIN_SIZES}
+        config = parallelism_from_sizes(sizes)
+        if config is None:
+            return
+        if self.parallelism_config is not None:
+            given = ", ".join(f"{name}={value}" for name, value in sizes.items() if value is not None)
+            raise ConfigError(
+                f"both parallelism_config and {given} given: pass the sizes in one place (the flags make the config)"
+            )
+        self.parallelism_config = config
 
     def _fill(self, **values: Any) -> None:
         """Set the fields still None to ``values``; remember them in ``auto_filled`` for the log."""
