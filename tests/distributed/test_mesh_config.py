@@ -186,7 +186,7 @@ def test_to_json_is_the_fields() -> None:
     pc = ParallelismConfig(dp_shard_size=2, tp_size=2)
     out = pc.to_json()
     assert json.loads(json.dumps(out)) == out
-    assert out["tp_handler"] == {"enable_async_tp": False} and out["dp_shard_size"] == 2
+    assert out["tp_handler"] == {"enable_async_tp": False, "tp_plan": None} and out["dp_shard_size"] == 2
     assert "device_mesh" not in out
 
 

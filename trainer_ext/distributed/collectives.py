@@ -59,20 +59,29 @@ def _gather_tensor(tensor: torch.Tensor, into_one: bool | None = None) -> torch.
     return torch.cat(parts, dim=0)
 
 
-def gather(data: Any) -> Any:
-    """All-gather tensors (same shape on every rank) and concatenate along dim 0; 0-dim → 1-D."""
+def gather(data: Any, every: int = 1) -> Any:
+    """All-gather tensors (same shape on every rank) and concatenate along dim 0; 0-dim → 1-D. ``every`` > 1 keeps
+    the parts of every ``every``-th rank only (one of each group of neighbouring ranks that hold the same data)."""
     if not _distributed():
         return recursively_apply(lambda t: t.reshape(1) if t.ndim == 0 else t, data)
-    return recursively_apply(_gather_tensor, data)
+
+    def _gather(t: torch.Tensor) -> torch.Tensor:
+        out = _gather_tensor(t)
+        if every == 1:
+            return out
+        return out.reshape(dist.get_world_size(), -1, *out.shape[1:])[::every].reshape(-1, *out.shape[1:])
+
+    return recursively_apply(_gather, data)
 
 
-def gather_object(obj: Any) -> Any:
-    """All-gather a picklable iterable from every rank and flatten one level; one process: ``obj`` unchanged."""
+def gather_object(obj: Any, every: int = 1) -> Any:
+    """All-gather a picklable iterable from every rank (every ``every``-th rank's kept) and flatten one level; one
+    process: ``obj`` unchanged."""
     if not _distributed():
         return obj
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
-    return [x for o in out for x in o]
+    return [x for o in out[::every] for x in o]
 
 
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

@@ -20,10 +20,13 @@ from trainer_ext.distributed import collectives
 from trainer_ext.distributed.accumulation import GradientState
 from trainer_ext.distributed.data.loader import shard_dataloader
 from trainer_ext.distributed.engine_names import AccelerateNames
+from trainer_ext.distributed.mesh import setup as mesh_setup
+from trainer_ext.distributed.mesh.device_mesh import build_parallel_mesh
 from trainer_ext.distributed.optimizer import EngineOptimizer, OptimizerPlaceholder
 from trainer_ext.distributed.precision import Precision
 from trainer_ext.distributed.state import DistributedType, DistState
 from trainer_ext.distributed.strategies import Strategy, resolve_strategy
+from trainer_ext.errors import ConfigError
 
 
 class Engine(AccelerateNames):
@@ -47,12 +50,22 @@ class Engine(AccelerateNames):
         gradient_accumulation_plugin_kwargs: dict[str, Any] | None = None,
         scaler_kwargs: dict[str, Any] | None = None,
         autocast_kwargs: dict[str, Any] | None = None,
+        parallelism_config: Any = None,
     ) -> None:
         self.state = state
+        config = mesh_setup.as_parallelism_config(parallelism_config)
+        mesh_setup.check_parallelism(config, state.num_processes)
         if not isinstance(strategy, Strategy):
             options = {"mixed_precision": mixed_precision, **(strategy_options or {})}
-            strategy = resolve_strategy(state, strategy, **options)
+            strategy = resolve_strategy(state, strategy, parallelism=config, **options)
         self.strategy = strategy
+        # accelerate's names: the configuration (its sizes are what transformers' Trainer reads) and the N-D mesh
+        self.parallelism_config = config
+        self.parallel_mesh = None
+        if config is not None:
+            self.parallel_mesh = build_parallel_mesh(config, state.device.type, state.num_processes)
+            config.device_mesh = None if self.parallel_mesh is None else self.parallel_mesh.mesh
+            strategy.use_mesh(self.parallel_mesh, config)
         self._mixed_precision = mixed_precision
         strategy.setup_precision(mixed_precision, autocast_kwargs=autocast_kwargs, scaler_kwargs=scaler_kwargs)
         self.gradient_state = GradientState(plugin_kwargs=gradient_accumulation_plugin_kwargs)
@@ -66,7 +79,6 @@ class Engine(AccelerateNames):
         self.rng_types = ["generator"] if rng_types is None else list(rng_types)  # synchronised at each pass start
         self.device_placement = device_placement
         self.torch_compile = torch_compile
-        self.parallelism_config = None
         self.training_steps: tuple[int, int] | None = None  # (total, warm-up) for a schedule the backend builds
         self.step_was_skipped = False
         self.skipped_steps = 0  # optimizer steps skipped by the fp16 loss scaler (inf/NaN gradients)
@@ -94,6 +106,26 @@ class Engine(AccelerateNames):
     @property
     def is_main_process(self) -> bool:
         return self.state.is_main_process
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """accelerate's name for the N-D ``DeviceMesh`` of the ``parallelism_config`` (None without one)."""
+        return None if self.parallel_mesh is None else self.parallel_mesh.mesh
+
+    @property
+    def same_batch_size(self) -> int:
+        """Ranks that see the same batch (tensor-parallel ranks of one group; 1 without a parallelism config)."""
+        return 1 if self.parallelism_config is None else self.parallelism_config.non_data_parallel_size
+
+    @property
+    def num_data_parallel_processes(self) -> int:
+        """The ranks that see different batches: the processes over :attr:`same_batch_size`."""
+        return self.state.num_processes // self.same_batch_size
+
+    @property
+    def data_parallel_index(self) -> int:
+        """This rank's position among the data-parallel ranks (the mesh keeps same-batch ranks neighbours)."""
+        return self.state.process_index // self.same_batch_size
 
     @property
     def is_local_main_process(self) -> bool:
@@ -231,15 +263,23 @@ class Engine(AccelerateNames):
         """
         place = self.device_placement if device_placement is None else device_placement
         seed = self.seed if self.seed is not None else torch.random.initial_seed()
+        dispatch = self.dispatch_batches
+        if self.same_batch_size > 1:
+            if dispatch:
+                raise ConfigError(
+                    "dispatch_batches=True sends each batch from the main process alone, and this parallelism_config "
+                    "has ranks that read the same batches (tensor parallelism): set dispatch_batches=False"
+                )
+            dispatch = False  # every rank reads its data-parallel share of an iterable dataset
         loader = shard_dataloader(
             dataloader,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
+            num_processes=self.num_data_parallel_processes,
+            process_index=self.data_parallel_index,
             gradient_state=self.gradient_state,
             seed=seed,
             device=self.device if place else None,
             split_batches=self.split_batches,
-            dispatch_batches=self.dispatch_batches,
+            dispatch_batches=dispatch,
             even_batches=self.even_batches,
             use_seedable_sampler=self.use_seedable_sampler,
             rng_types=self.rng_types,
@@ -330,13 +370,15 @@ class Engine(AccelerateNames):
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather, then drop the duplicated samples that completed the last round of the loader."""
+        """Gather from the data-parallel ranks (one of each group that saw the same batch), then drop the duplicated
+        samples that completed the last round of the loader."""
         state = self.gradient_state
         cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+        every = self.same_batch_size
         if use_gather_object or not _has_tensor(input_data):
-            data = collectives.gather_object(input_data)
+            data = collectives.gather_object(input_data, every=every)
             return data[:cut] if cut is not None and isinstance(data, list) else data
-        data = collectives.gather(input_data)
+        data = collectives.gather(input_data, every=every)
         return collectives.truncate_rows(data, cut) if cut is not None else data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

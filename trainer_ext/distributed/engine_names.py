@@ -49,7 +49,6 @@ class AccelerateNames:
     non_blocking = False  # accelerate's dataloader settings the engine does not offer, with accelerate's defaults
     data_seed: int | None = None
     use_stateful_dataloader = False
-    torch_device_mesh = None  # no N-D device mesh: transformers reads it only when parallelism_config asks for one
 
     @property
     def dataloader_config(self) -> DataLoaderConfigView:

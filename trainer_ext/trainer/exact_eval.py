@@ -130,7 +130,8 @@ class ExactEvalLossMixin:
             return loss * units
         # compute_loss divided the sum by num_items_in_batch, then multiplied by the processes when those items
         # were counted over all of them (average_tokens_across_devices)
-        scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+        # (over the processes that see different batches: transformers' num_processes // tp_size)
+        scale = self.accelerator.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
         return loss * items / scale
 
     def _add_exact_eval(self, model: Any, inputs: Any, loss: torch.Tensor) -> None:
@@ -140,7 +141,7 @@ class ExactEvalLossMixin:
         remainder = state.remainder
         if state.end_of_dataloader and remainder > 0 and rows > 0:
             # the last round is gathered in rank order, its first ``remainder`` samples real (as gather_for_metrics)
-            real = min(max(remainder - self.args.process_index * rows, 0), rows)
+            real = min(max(remainder - self.accelerator.data_parallel_index * rows, 0), rows)
             if remainder % rows:  # some rank's last batch mixes real and repeated samples: all ranks run once more
                 inputs = first_rows(inputs, rows, max(real, 1))
                 units = self.eval_loss_units(model, inputs)  # before the loss, which may pop the labels

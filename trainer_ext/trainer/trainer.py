@@ -19,6 +19,7 @@ from trainer_ext.callbacks import BarrierCallback, MainProcessLoggingCallback, U
 from trainer_ext.callbacks.duties import DutyCallbackHandler
 from trainer_ext.callbacks.run_summary import RunSummaryCallback
 from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.mesh.config import ParallelismConfig
 from trainer_ext.distributed.strategies.deepspeed.plugin import SteppedByEngine
 from trainer_ext.errors import ConfigError
 from trainer_ext.trainer import compat as _compat
@@ -50,6 +51,21 @@ def _ddp_options(trainer: transformers.Trainer) -> dict[str, Any]:
         "broadcast_buffers": args.ddp_broadcast_buffers,
         "static_graph": args.ddp_static_graph,
     }
+
+
+def _parallelism_of(args: Any, model: Any) -> Any:
+    """The arguments' ``parallelism_config``; for a model transformers loaded tensor-parallel, its sizes (as
+    transformers' own Trainer sets them): ``tp_size`` from the model, the data-parallel rest sharded."""
+    config = args.parallelism_config
+    tp_size = getattr(model, "tp_size", None) or 1
+    if not isinstance(tp_size, int) or tp_size <= 1:
+        return config
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    dp_size = getattr(distributed, "dp_size", None) or args.world_size // tp_size
+    if config is None:
+        return ParallelismConfig(tp_size=tp_size, dp_shard_size=dp_size)
+    config.tp_size, config.dp_shard_size = tp_size, dp_size
+    return config
 
 
 # accelerate's GradientAccumulationPlugin defaults: its plugin_kwargs list only the values that differ
@@ -188,6 +204,7 @@ class Trainer(
             strategy, options = "deepspeed", {"config": args.hf_deepspeed_config}
         self.accelerator = Engine(
             args.distributed_state,
+            parallelism_config=_parallelism_of(args, self.model),
             mixed_precision=args.mixed_precision,
             strategy=strategy,
             strategy_options=options,

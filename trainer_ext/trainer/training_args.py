@@ -19,6 +19,7 @@ import transformers.training_args
 from transformers.training_args import ParallelMode
 
 from trainer_ext import env_vars
+from trainer_ext.distributed.mesh import setup as mesh_setup
 from trainer_ext.distributed.rules import check_precision, claim_world
 from trainer_ext.distributed.state import DistributedType, DistState, detect_topology
 from trainer_ext.distributed.strategies import STRATEGIES
@@ -173,6 +174,7 @@ class TrainingArguments(transformers.TrainingArguments):
         _compat.install()  # transformers' argument code reads accelerate names (DistributedType) from here on
         self._take_launched_deepspeed()
         self._take_launched_fsdp()
+        self._take_parallelism_config()
         self._refuse_unsupported()
         self._check_values()
         if (
@@ -199,7 +201,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ConfigError("--fp8 already runs bf16 autocast around its float8 layers; drop --fp16/--bf16")
             self.mixed_precision = "fp8"
         check_precision(self.mixed_precision, self.device, fp16=self.fp16, bf16=self.bf16)
-        if self.fsdp_plugin_args is not None:
+        if self.fsdp_plugin_args is not None or mesh_setup.shards_by_mesh(self.parallelism_config):
             self._claim_world("fsdp")
         # the resolved --deepspeed config, registered with transformers (ZeRO-3 from_pretrained): keep it alive
         self.hf_deepspeed_config = STRATEGIES["deepspeed"].read_training_arguments(self) if self.deepspeed else None
@@ -229,6 +231,19 @@ class TrainingArguments(transformers.TrainingArguments):
                 "config (--deepspeed); launch without --fsdp_config, or drop --deepspeed"
             )
         self.fsdp, self.fsdp_config = True, launched_fsdp_settings()
+
+    def _take_parallelism_config(self) -> None:
+        """``parallelism_config`` (ours, accelerate's, a dict, or the launch's variables) as ours, its sizes checked
+        against the launched processes and its layout against the backend asked for, before any process group."""
+        config = mesh_setup.as_parallelism_config(self.parallelism_config)
+        self.parallelism_config = config
+        if config is None:
+            return
+        mesh_setup.check_parallelism(config, detect_topology().world_size)
+        if self.deepspeed:
+            STRATEGIES["deepspeed"].check_parallelism(config)
+        elif fsdp_requested(self.fsdp) or mesh_setup.shards_by_mesh(config):
+            STRATEGIES["fsdp"].check_parallelism(config)
 
     def _process_fsdp_args(self) -> dict | None:
         """Read ``--fsdp``/``--fsdp_config`` (YAML or JSON; transformers' or accelerate's keys) without accelerate."""

@@ -27,9 +27,11 @@ SP_BACKENDS = ("deepspeed",)
 
 @dataclass
 class TorchTensorParallelConfig:
-    """accelerate's tensor-parallel handler; ``enable_async_tp`` is accepted and ignored with a warning, as there."""
+    """accelerate's tensor-parallel handler; ``enable_async_tp`` is accepted and ignored with a warning, as there.
+    ``tp_plan`` (ours) replaces the model's own plan: {module name, ``*`` for a layer number: style name}."""
 
     enable_async_tp: bool = False
+    tp_plan: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
@@ -239,6 +241,12 @@ class ParallelismConfig:
                 "use one device type per process"
             )
         return self.device_mesh
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the built mesh (it holds this process's groups; training_args.bin carries the config)."""
+        state = dict(self.__dict__)
+        state.pop("device_mesh", None)
+        return state
 
     def to_json(self) -> dict[str, Any]:
         """The fields as JSON-ready values (handlers as dicts); the mesh is left out."""

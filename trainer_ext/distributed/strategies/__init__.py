@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from trainer_ext.distributed.mesh.config import ParallelismConfig
 from trainer_ext.distributed.state import DistState
 from trainer_ext.distributed.strategies.base import Strategy
 from trainer_ext.distributed.strategies.ddp import DDPStrategy
@@ -21,14 +22,22 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def resolve_strategy(state: DistState, name: str | None = None, **options: Any) -> Strategy:
-    """Build the strategy ``name`` (default: ``ddp`` for several processes, else ``single``)."""
+def resolve_strategy(
+    state: DistState, name: str | None = None, *, parallelism: ParallelismConfig | None = None, **options: Any
+) -> Strategy:
+    """Build the strategy ``name`` (default: ``fsdp`` when ``parallelism`` splits the model over a mesh, else ``ddp``
+    for several processes, else ``single``), after checking that it takes ``parallelism``'s layout."""
     if name is None:
-        name = "ddp" if state.use_distributed else "single"
+        if parallelism is not None and (parallelism.dp_shard_enabled or parallelism.tp_enabled):
+            name = "fsdp"
+        else:
+            name = "ddp" if state.use_distributed else "single"
     if name not in STRATEGIES:
         raise ConfigError(
             f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}.{did_you_mean(name, STRATEGIES)}"
         )
+    if parallelism is not None:
+        STRATEGIES[name].check_parallelism(parallelism)
     STRATEGIES[name].claim_world(state)
     return STRATEGIES[name].from_options(state, **options)
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from trainer_ext.checkpointing.saving import has_adapters, save_adapter, save_model
+from trainer_ext.distributed.mesh.config import ParallelismConfig
+from trainer_ext.distributed.mesh.device_mesh import ParallelMesh
 from trainer_ext.distributed.optimizer import OptimizerPlaceholder, SchedulerPlaceholder
 from trainer_ext.distributed.precision import Precision
 from trainer_ext.distributed.state import DistributedType, DistState
@@ -44,6 +46,8 @@ class Strategy:
         self.state = state
         self.options = options
         self.precision = Precision("no", state.device)  # replaced by setup_precision (the engine calls it)
+        self.parallel: ParallelMesh | None = None  # the engine's N-D mesh (use_mesh), None without one
+        self.parallelism: ParallelismConfig | None = None
 
     @classmethod
     def from_options(cls, state: DistState, **options: Any) -> Strategy:
@@ -57,6 +61,20 @@ class Strategy:
             raise ConfigError(cls.too_few_processes.format(world_size=world_size))
         if cls.max_processes is not None and world_size > cls.max_processes:
             raise ConfigError(cls.too_many_processes.format(world_size=world_size))
+
+    @classmethod
+    def check_parallelism(cls, config: ParallelismConfig) -> None:
+        """ConfigError when this backend cannot run ``config``'s layout: here, anything but data replication."""
+        if config.dp_shard_enabled or config.tp_enabled:
+            raise ConfigError(
+                f"{cls.title} does not shard the model over a device mesh, and this parallelism_config asks for "
+                f"dp_shard_size={config.dp_shard_size}, tp_size={config.tp_size}: train with FSDP2 (the default for "
+                "such a config; --fsdp), or set those sizes to 1"
+            )
+
+    def use_mesh(self, built: ParallelMesh | None, config: ParallelismConfig) -> None:
+        """Take the engine's N-D mesh (None when no dimension is enabled) and its configuration."""
+        self.parallel, self.parallelism = built, config
 
     @classmethod
     def read_training_arguments(cls, args: Any) -> Any:

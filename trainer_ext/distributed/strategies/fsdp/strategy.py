@@ -23,6 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from trainer_ext.checkpointing import loop_state
 from trainer_ext.checkpointing import sharded as sharded_checkpoint
+from trainer_ext.distributed.mesh.compose import fsdp_mesh
+from trainer_ext.distributed.mesh.config import ParallelismConfig
+from trainer_ext.distributed.mesh.grad_norm import clip_grad_norm
+from trainer_ext.distributed.mesh.tensor_parallel import apply_tensor_parallel, is_tensor_parallel
 from trainer_ext.distributed.state import DistributedType, DistState
 from trainer_ext.distributed.strategies.base import Strategy
 from trainer_ext.distributed.strategies.fsdp.arguments import plugin_args_from_training_args
@@ -98,8 +102,21 @@ class FSDPStrategy(Strategy):
         return DistributedType.FSDP
 
     # -- wrapping -------------------------------------------------------------------------------
+    @classmethod
+    def check_parallelism(cls, config: ParallelismConfig) -> None:
+        """Any layout of the mesh but replication alone, which has nothing for FSDP to shard."""
+        if config.dp_replicate_enabled and not (config.dp_shard_enabled or config.tp_enabled):
+            raise ConfigError(
+                f"FSDP with parallelism_config dp_replicate_size={config.dp_replicate_size} alone has no dimension to "
+                f"shard over: set dp_shard_size (HSDP: dp_replicate_size x dp_shard_size processes), or drop --fsdp "
+                "for plain data parallelism"
+            )
+
     def mesh(self) -> Any:
-        """The 1-D mesh of all ranks, or the 2-D (replicate, shard) mesh of hybrid sharding."""
+        """The 1-D mesh of all ranks, or the 2-D (replicate, shard) mesh of hybrid sharding; under a
+        ``parallelism_config``, its shard dimensions (None when it shards by tensor parallelism alone)."""
+        if self.parallelism is not None:
+            return None if self.parallel is None else fsdp_mesh(self.parallel, self.parallelism)
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -155,6 +172,13 @@ class FSDPStrategy(Strategy):
         if isinstance(model, FSDPModule) or not any(p.requires_grad for p in model.parameters()):
             return model
         before = dict(model.named_parameters())
+        if self.parallel is not None and self.parallelism.tp_enabled:
+            plan = getattr(self.parallelism.tp_handler, "tp_plan", None)
+            apply_tensor_parallel(model, self.parallel["tp"], plan)
+        mesh = self.mesh()
+        if mesh is None:  # tensor parallelism alone: nothing left to shard
+            self._remember(before, model)
+            return model
         targets = self.wrap_targets(model)
         if self.settings.activation_checkpointing:
             if not targets:
@@ -165,7 +189,7 @@ class FSDPStrategy(Strategy):
             for module in targets:
                 checkpoint_forward(module)
         kwargs: dict[str, Any] = {
-            "mesh": self.mesh(),
+            "mesh": mesh,
             "reshard_after_forward": self.settings.reshard_after_forward,
             "mp_policy": self.mp_policy(),
         }
@@ -178,10 +202,20 @@ class FSDPStrategy(Strategy):
         if kwargs["reshard_after_forward"] is True and targets:
             kwargs["reshard_after_forward"] = None
         fully_shard(model, **kwargs)
+        self._remember(before, model)
+        return model
+
+    def _remember(self, before: dict[str, torch.nn.Parameter], model: torch.nn.Module) -> None:
+        """Map each parameter ``wrap`` replaced to its DTensor successor (for :meth:`adopt_optimizer`)."""
         after = dict(model.named_parameters())
         self._sharded = {key: entry for key, entry in self._sharded.items() if entry[0]() is not None}
-        self._sharded.update({id(p): (weakref.ref(p), after[name]) for name, p in before.items() if name in after})
-        return model
+        self._sharded.update(
+            {
+                id(p): (weakref.ref(p), after[name])
+                for name, p in before.items()
+                if name in after and after[name] is not p
+            }
+        )
 
     def _successor(self, parameter: torch.nn.Parameter) -> torch.nn.Parameter | None:
         """The sharded successor of ``parameter`` if ``wrap`` replaced that very object (not one reusing its id)."""
@@ -214,8 +248,11 @@ class FSDPStrategy(Strategy):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip by the norm over every rank's shards; returns that norm as a plain tensor (the same on all ranks)."""
+        """Clip by the norm over every rank's shards; returns that norm as a plain tensor (the same on all ranks).
+        Under tensor parallelism the gradients mix plain tensors and DTensors of several meshes: summed per mesh."""
         params = [p for p in parameters if p.grad is not None]
+        if self.parallel is not None and self.parallelism.tp_enabled:
+            return clip_grad_norm(params, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
@@ -227,7 +264,7 @@ class FSDPStrategy(Strategy):
 
     # -- state dicts and checkpoints (torch.distributed.checkpoint: every rank writes its shards) --------------
     def shards_model(self, model: Any) -> bool:
-        return model is not None and is_sharded(model)
+        return model is not None and (is_sharded(model) or is_tensor_parallel(self.unwrap(model)))
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return sharded_checkpoint.full_state_dict(model)
@@ -238,7 +275,7 @@ class FSDPStrategy(Strategy):
         """Gathered one tensor at a time and written by the main process: the model is never whole on one rank.
         A model with adapters (PEFT) writes its adapter only (only its tensors gathered)."""
         unwrapped = self.unwrap(model)
-        if not is_sharded(unwrapped):
+        if not self.shards_model(unwrapped):
             return super().export_model(
                 model, directory, max_shard_size=max_shard_size, is_main_process=is_main_process
             )
