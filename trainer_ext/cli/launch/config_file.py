@@ -40,8 +40,6 @@ IGNORED_KEYS: dict[str, str] = {
     "dynamo_config": "use the training flag --torch_compile instead",
     "dynamo_backend": "use the training flag --torch_compile instead",
     "fp8_config": "fp8 recipes are not read from the launch config",
-    "tp_config": "tensor parallelism is not supported",
-    "parallelism_config": "tensor/context parallelism is not supported",
     "megatron_lm_config": "Megatron-LM is not supported",
     "ipex_config": "IPEX is not supported",
     "mpirun_config": "start with mpirun yourself; trainer_ext reads OpenMPI's variables",
@@ -162,6 +160,20 @@ MAX_PROCESSES = MAX_MACHINES * 16
 MAX_RESTARTS = 10_000
 MAX_ACCUMULATION = 1 << 20
 
+# the parallel sizes: top-level keys (ours), or under parallelism_config as accelerate writes them
+# (parallelism_config_tp_size, ...; the bare names too), or tp_config.tp_size (older accelerate)
+PARALLEL_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+PARALLEL_PREFIX = "parallelism_config_"
+# accelerate's context/sequence-parallel options: nothing to do while cp_size and sp_size stay 1
+PARALLEL_IGNORED = (
+    "cp_backend",
+    "cp_comm_strategy",
+    "sp_backend",
+    "sp_seq_length",
+    "sp_seq_length_is_variable",
+    "sp_attn_implementation",
+)
+
 # Keys mapped one to one onto the launch setting of the same name: key -> converter.
 PLAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "num_processes": whole_number(1, MAX_PROCESSES),
@@ -175,8 +187,10 @@ PLAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "mixed_precision": one_of(MIXED_PRECISION),
     "gradient_accumulation_steps": whole_number(1, MAX_ACCUMULATION),
     "debug": parse_bool,
+    **dict.fromkeys(PARALLEL_SIZES, whole_number(1, MAX_PROCESSES)),
 }
 SPECIAL_KEYS = ("compute_environment", "distributed_type", "use_cpu", "deepspeed_config", "fsdp_config", "fp16")
+SPECIAL_KEYS += ("parallelism_config", "tp_config")
 KNOWN_KEYS = (*PLAIN_KEYS, *SPECIAL_KEYS, *IGNORED_KEYS)
 
 
@@ -204,7 +218,31 @@ def read_config_file(path: Path | str) -> ConfigFile:
         config.set("mixed_precision", "fp16", "fp16")
     _deepspeed(config, data.get("deepspeed_config"))
     _fsdp(config, data.get("fsdp_config"))
+    _parallelism(config, "parallelism_config", data.get("parallelism_config"))
+    _parallelism(config, "tp_config", data.get("tp_config"))
     return config
+
+
+def _parallelism(config: ConfigFile, key: str, section: Any) -> None:
+    """The sizes under ``parallelism_config`` (accelerate's prefixed names or the bare ones) or ``tp_config``; a size
+    given at the top level as well wins there."""
+    if section is None or section == {}:
+        return
+    if not isinstance(section, Mapping):
+        config.problem(f"{key} must be a mapping of sizes (e.g. {PARALLEL_PREFIX}tp_size: 2), not {section!r}")
+        return
+    valid = [*PARALLEL_SIZES, *PARALLEL_IGNORED] if key == "parallelism_config" else ["tp_size"]
+    for name, value in section.items():
+        bare = str(name).replace("-", "_").removeprefix(PARALLEL_PREFIX)
+        where = f"{key}.{name}"
+        if bare not in valid:
+            config.problem(f"unknown key {where!r}.{did_you_mean(bare, valid)}")
+        elif bare in PARALLEL_IGNORED:
+            config.ignored.append(where)
+        elif value is not None and bare not in config.values:
+            _convert(
+                config, where, value, PLAIN_KEYS[bare], lambda v, bare=bare, where=where: config.set(bare, v, where)
+            )
 
 
 def _convert(config: ConfigFile, key: str, value: Any, convert: Callable[[Any], Any], store: Callable) -> None:

@@ -141,7 +141,7 @@ def _check_deepspeed_file(config: Any) -> None:
 
 
 def _strategy_ignored(s: Settings, notes: list[str]) -> None:
-    for name in ("deepspeed", "fsdp_config"):
+    for name in ("deepspeed", "fsdp_config", "dp_replicate_size", "dp_shard_size", "tp_size"):
         if s[name]:
             notes.append(f"{name} from {s.sources[name]} is ignored: the self-test checks plain data parallelism")
 

@@ -14,6 +14,14 @@ from trainer_ext.cli.launch.config_file import MIXED_PRECISION, RDZV_BACKENDS, o
 from trainer_ext.cli.launch.target import USAGE, Target
 from trainer_ext.errors import ConfigError, did_you_mean
 
+PARALLEL_HELP = {
+    "dp_replicate_size": "model replicas (data parallel; with --dp_shard_size: HSDP)",
+    "dp_shard_size": "processes FSDP2 shards each replica over",
+    "tp_size": "processes each layer is split over (tensor parallel, the model's own plan)",
+    "cp_size": "context parallel processes (not supported yet: 1)",
+    "sp_size": "sequence parallel processes (not supported yet: 1)",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
@@ -61,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="FSDP config, passed to train as --fsdp full_shard --fsdp_config, to a script as TRAINER_EXT_FSDP_CONFIG",
     )
+    for name, text in PARALLEL_HELP.items():  # accelerate's --parallelism_config_<size> spelling too
+        add(f"--{name}", f"--parallelism_config_{name}", dest=name, type=int, metavar="N", help=text)
     add(
         "--num_cpu_threads_per_process",
         type=int,

@@ -21,6 +21,7 @@ from trainer_ext.cli.launch.handoff import (
     translate_for_script,
     translate_for_train,
 )
+from trainer_ext.cli.launch.parallel import ParallelPlan, plan_for_script, plan_for_train
 from trainer_ext.cli.launch.settings import Settings, loopback_rendezvous
 from trainer_ext.cli.launch.target import Target
 from trainer_ext.distributed import cpu_threads
@@ -38,6 +39,7 @@ class Plan:
     notes: list[str]
     deepspeed: DeepSpeedPreview | None = None
     fsdp: FSDPPreview | None = None
+    parallel: ParallelPlan | None = None
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -82,10 +84,13 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     notes: list[str] = []
     if target.kind == "train" and target.swap:
         notes.append("--swap_trainer changes nothing for train: it runs trainer_ext's Trainer already")
-    deepspeed = fsdp = None
+    deepspeed = fsdp = parallel = None
     if target.kind == "train":
         user_args = target.args
+        parallel = plan_for_train(s, user_args) if strategy else None
         target, env = translate_for_train(s, target, notes, strategy)
+        if parallel is not None:
+            target = Target(target.kind, target.name, [*target.args, *parallel.train_flags])
         if strategy:
             deepspeed = preview_deepspeed(s, user_args, target.args)
             notes += deepspeed.notes if deepspeed else []
@@ -94,8 +99,12 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
     else:
         env = translate_for_script(s, target, notes, strategy)
         fsdp = script_fsdp(s) if strategy else None
+        parallel = plan_for_script(s) if strategy else None
         if fsdp is not None:
             env[env_vars.FSDP_CONFIG] = fsdp.exported()
+    if parallel is not None:
+        env.update(parallel.env())
+        notes += parallel.notes
     if s["device"] == "cuda" and s.given("gpu_ids") and s["gpu_ids"] != "all":
         env[env_vars.CUDA_VISIBLE_DEVICES] = s["gpu_ids"]
     env.update(_thread_env(s))
@@ -106,18 +115,21 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
         env.setdefault(env_vars.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
     if s.world_size == 1 and not s["max_restarts"]:
         if not runs_fsdp(target, fsdp):
-            return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp)
+            return Plan([sys.executable, "-u", *target.python_argv()], env, None, notes, deepspeed, fsdp, parallel)
         loopback_rendezvous(s, "FSDP on one process needs a process group")
         notes.append("FSDP on one process: started through torch.distributed.run, for a process group of one")
     torchrun = ["--nnodes", str(s["num_machines"]), "--nproc_per_node", str(s["nproc_per_node"])]
     torchrun += rendezvous_args(s) + ["--max_restarts", str(s["max_restarts"])] + target.python_argv()
-    return Plan([sys.executable, "-m", "torch.distributed.run", *torchrun], env, torchrun, notes, deepspeed, fsdp)
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun]
+    return Plan(command, env, torchrun, notes, deepspeed, fsdp, parallel)
 
 
 def describe(settings: Settings, plan: Plan) -> str:
     """The dry-run report: settings with sources, notes, and the exact command."""
     lines = [f"config file: {settings.config_file}", "resolved launch settings (value, then where it came from):"]
     lines.append(settings.table())
+    if plan.parallel is not None:
+        lines.append(plan.parallel.line())
     if plan.deepspeed is not None:
         lines += _describe_deepspeed(plan.deepspeed)
     if plan.fsdp is not None:

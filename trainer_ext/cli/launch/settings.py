@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_ext.cli.launch.config_file import MAX_PROCESSES_PER_MACHINE, PLAIN_KEYS, ConfigFile, whole_number
+from trainer_ext.cli.launch.config_file import (
+    MAX_PROCESSES_PER_MACHINE,
+    PARALLEL_SIZES,
+    PLAIN_KEYS,
+    ConfigFile,
+    whole_number,
+)
 
 DEFAULT = "default"
 DEFAULTS: dict[str, Any] = {
@@ -35,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "require_gpu": False,
     "distributed_type": None,
     "num_cpu_threads_per_process": None,
+    **dict.fromkeys(PARALLEL_SIZES),
 }
 SHOWN = (
     "num_machines",
@@ -55,6 +62,9 @@ SHOWN = (
     "fsdp_config",
     "debug",
     "num_cpu_threads_per_process",
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tp_size",
 )
 PROCESS_KEYS = ("num_processes", "nproc_per_node")
 # command-line values go through the same checks as config-file values
@@ -249,6 +259,9 @@ def _check(s: Settings) -> None:
     _check_gpus(s)
     _check_precision(s)
     _check_strategy(s)
+    from trainer_ext.cli.launch.parallel import parallel_problems
+
+    s.problems += parallel_problems(s)
 
 
 def _is_public(host: str) -> bool:

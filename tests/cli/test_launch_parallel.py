@@ -1,0 +1,215 @@
+"""``trainer-ext launch`` with parallel sizes: flags and launch-config keys (ours and accelerate's), the variables and
+train flags the processes get, the dry run's mesh line, and every refusal before a process starts (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer_ext.cli.launch import prepare
+from trainer_ext.cli.launch.config_file import read_config_file
+from trainer_ext.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CAUSAL = ["train", "--task", "causal-lm"]  # the tiny-llama preset: 4 heads, 2 KV heads, intermediate 128
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "job.py"
+    path.write_text("print('hello')\n")
+    return str(path)
+
+
+def launch_cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``trainer-ext launch`` as a user runs it: a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainer_ext", "launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd or ROOT,
+    )
+
+
+def one_problem(proc: subprocess.CompletedProcess) -> str:
+    """The one problem of a refused launch: exit 2, one ``error:`` heading, one problem line, no traceback."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert lines[0] == "error: cannot launch (1 problem):" and len(lines) == 2, proc.stderr
+    return lines[1].removeprefix("  - ")
+
+
+def test_flags_in_both_spellings_reach_a_script_as_accelerates_variables(script):
+    settings, plan, _ = prepare(
+        ["--num_processes", "4", "--tp_size", "2", "--parallelism_config_dp_shard_size=2", script]
+    )
+    assert (settings["tp_size"], settings["dp_shard_size"]) == (2, 2)
+    assert settings.sources["dp_shard_size"] == "command line --parallelism_config_dp_shard_size"
+    assert plan.env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    sizes = {k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in plan.env.items() if k.startswith("PARALLELISM_")}
+    assert sizes == {"DP_REPLICATE_SIZE": "1", "DP_SHARD_SIZE": "2", "TP_SIZE": "2", "CP_SIZE": "1", "SP_SIZE": "1"}
+    assert plan.parallel.line().startswith("mesh: dp_shard 2 x tp 2 (2 data-parallel ranks;")
+
+
+def test_train_gets_the_sizes_as_flags_and_its_own_flags_win():
+    _, plan, _ = prepare(["--num_processes", "4", "--tp_size", "2", "--dp_shard_size", "2", *CAUSAL])
+    args = plan.command[plan.command.index("train") + 1 :]
+    assert args == ["--task", "causal-lm", "--dp_shard_size", "2", "--tp_size", "2"]
+    assert plan.env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    # the train arguments' own sizes win over the launch's, which are then not passed on (a note says so)
+    _, plan, _ = prepare(["--num_processes", "2", "--dp_shard_size", "2", *CAUSAL, "--tp_size", "2"])
+    args = plan.command[plan.command.index("train") + 1 :]
+    assert args == ["--task", "causal-lm", "--tp_size", "2"]
+    assert plan.env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "1" and plan.env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    assert any("not passed on: the train arguments set tp_size" in note for note in plan.notes)
+
+
+def test_sizes_all_one_are_plain_data_parallelism_with_nothing_exported(script):
+    _, plan, _ = prepare(["--num_processes", "4", "--tp_size", "1", "--dp_shard_size", "1", script])
+    assert not any(k.startswith(("PARALLELISM_", "ACCELERATE_USE_PARALLELISM")) for k in plan.env)
+    assert plan.parallel.line().startswith("mesh: dp_replicate 4 (plain data parallelism")
+    _, plan, _ = prepare(["--num_processes", "2", script])  # no size given: no mesh, nothing exported
+    assert plan.parallel is None and not any("PARALLELISM" in k for k in plan.env)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # accelerate's launch config (`accelerate config` writes the prefixed names under parallelism_config)
+        "distributed_type: MULTI_CPU\nnum_processes: 4\nparallelism_config:\n  parallelism_config_dp_replicate_size: 1\n"
+        "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n  parallelism_config_cp_size: 1\n"
+        "  parallelism_config_cp_comm_strategy: allgather\n",
+        # ours: the bare names, at the top level or under parallelism_config
+        "num_processes: 4\ntp_size: 2\ndp_shard_size: 2\n",
+        "num_processes: 4\nparallelism_config:\n  tp_size: 2\n  dp_shard_size: 2\n",
+    ],
+    ids=["accelerate", "top-level", "section"],
+)
+def test_launch_config_keys_ours_and_accelerates(tmp_path, text):
+    path = tmp_path / "launch.yaml"
+    path.write_text(text)
+    config = read_config_file(path)
+    assert config.problems == []
+    assert (config.values["tp_size"], config.values["dp_shard_size"]) == (2, 2)
+    settings, plan, _ = prepare(["--config_file", str(path), *CAUSAL])
+    assert plan.parallel.line().startswith("mesh: dp_shard 2 x tp 2 ")
+    if "accelerate" in text or "parallelism_config_" in text:
+        assert "accelerate key parallelism_config.parallelism_config_tp_size" in settings.sources["tp_size"]
+        assert config.ignored == ["parallelism_config.parallelism_config_cp_comm_strategy"]
+
+
+def test_older_accelerate_tp_config_and_bad_section_keys(tmp_path):
+    path = tmp_path / "launch.yaml"
+    path.write_text("num_processes: 2\ntp_config:\n  tp_size: 2\n")
+    assert read_config_file(path).values["tp_size"] == 2
+    path.write_text("parallelism_config:\n  parallelism_config_tp_sise: 2\n  dp_shard_size: zero\n")
+    problems = read_config_file(path).problems
+    assert any(
+        "unknown key 'parallelism_config.parallelism_config_tp_sise'. Did you mean 'tp_size'" in p for p in problems
+    )
+    assert any("parallelism_config.dp_shard_size: 'zero' is not a whole number" in p for p in problems)
+
+
+def test_dry_run_prints_the_mesh_and_the_variables(capsys):
+    assert (
+        main(["launch", "--num_processes", "4", "--tp_size", "2", "--dp_shard_size", "2", "--dry_run", *CAUSAL]) == 0
+    )
+    out = capsys.readouterr().out
+    mesh = [line for line in out.splitlines() if line.startswith("mesh:")]
+    assert mesh == [
+        "mesh: dp_shard 2 x tp 2 (2 data-parallel ranks; dp_shard_size from command line --dp_shard_size, "
+        "tp_size from command line --tp_size)"
+    ]
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG=true" in out and "PARALLELISM_CONFIG_TP_SIZE=2" in out
+
+
+def test_the_dry_run_of_a_real_cli_shows_the_mesh():
+    proc = launch_cli("--num_processes", "4", "--dp_replicate_size", "2", "--dp_shard_size", "2", "--dry_run", *CAUSAL)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh: dp_replicate 2 x dp_shard 2 (4 data-parallel ranks;" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--num_processes", "4", "--tp_size", "2", *CAUSAL],
+            "ParallelismConfig spans 2 processes (dp_replicate 1 × dp_shard 1 × tp 2 × cp 1 × sp 1) but the job has 4: "
+            "make the sizes multiply to 4, or launch 2 processes",
+        ),
+        (
+            ["--num_processes", "2", "--tp_size", "2", "--deepspeed", "configs/deepspeed/zero2.json", *CAUSAL],
+            "tp_size 2 (tp_size from command line --tp_size) with DeepSpeed: tensor parallelism runs on FSDP2 or "
+            "alone; drop --deepspeed (use --dp_shard_size to shard the rest) or set tp_size 1",
+        ),
+        (
+            ["--num_processes", "2", "--tp_size", "2", *CAUSAL, "--deepspeed", "configs/deepspeed/zero2.json"],
+            "with DeepSpeed: tensor parallelism runs on FSDP2 or alone",
+        ),
+        (
+            ["--num_processes", "2", "--cp_size", "2", *CAUSAL],
+            "ParallelismConfig cp_size=2: context parallelism is not supported yet; set cp_size=1",
+        ),
+        (
+            ["--num_processes", "2", "--sp_size", "2", *CAUSAL],
+            "ParallelismConfig sp_size=2: sequence parallelism is not supported yet; set sp_size=1",
+        ),
+        (
+            ["--num_processes", "4", "--tp_size", "4", *CAUSAL],
+            "tensor parallelism over 4 ranks needs num_key_value_heads (2) of the preset tiny-llama divisible by 4: "
+            "choose a tp_size that divides 2",
+        ),
+        (
+            ["--num_processes", "2", "--tp_size", "2", "train"],  # the default job: tiny-bert, which has no plan
+            "tp_size 2: the preset tiny-bert is a bert model without a tensor-parallel plan",
+        ),
+        (
+            ["--num_processes", "2", "train", "--task", "causal-lm", "--tp_size", "2", "--dp_shard_size", "2"],
+            "ParallelismConfig spans 4 processes",
+        ),
+    ],
+    ids=["world", "deepspeed", "train-deepspeed", "cp", "sp", "kv-heads", "no-plan", "train-flags-world"],
+)
+def test_refusals_are_one_line_and_exit_2_before_any_process(argv, message):
+    assert message in one_problem(launch_cli(*argv))
+
+
+def test_heads_and_intermediate_of_a_config_file_are_checked(tmp_path):
+    values = dict(
+        model_type="llama",
+        hidden_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        intermediate_size=102,
+        vocab_size=64,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    line = one_problem(launch_cli("--num_processes", "4", "--tp_size", "4", *CAUSAL, "--model_config", str(path)))
+    assert line == (
+        f"tensor parallelism over 4 ranks needs num_attention_heads (6) of --model_config {path} divisible by 4: "
+        "choose a tp_size that divides 6"
+    )
+    values.update(num_attention_heads=4, num_key_value_heads=4)
+    path.write_text(json.dumps(values))
+    line = one_problem(launch_cli("--num_processes", "4", "--tp_size", "4", *CAUSAL, "--model_config", str(path)))
+    assert "needs intermediate_size (102)" in line and "divides 102" in line
+
+
+def test_a_launch_config_with_bad_sizes_is_refused_by_config_validate_too(tmp_path):
+    path = tmp_path / "launch.yaml"
+    path.write_text("num_processes: 4\nparallelism_config:\n  parallelism_config_tp_size: 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer_ext", "config", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "ParallelismConfig spans 3 processes" in proc.stdout + proc.stderr

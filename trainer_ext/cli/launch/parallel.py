@@ -1,0 +1,178 @@
+"""The launch's parallel sizes (``--tp_size``, ``--dp_shard_size``, ``--dp_replicate_size``; ``--cp_size`` and
+``--sp_size`` refused above 1): checked before any process starts, shown as a mesh by the dry run, and handed to the
+processes as accelerate's variables (``ACCELERATE_USE_PARALLELISM_CONFIG`` and ``PARALLELISM_CONFIG_<SIZE>``), which a
+script's TrainingArguments or Accelerator read; ``train`` also gets them as flags.
+
+For ``train`` the sizes its own arguments (or their ``--config`` files) set win over the launch's, as every other
+train flag does; with ``tp_size`` above 1 the model's config is read (a preset, a config file, a local model folder)
+and a model without a tensor-parallel plan, or with heads, key/value heads or an intermediate size ``tp_size`` does
+not divide, is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from trainer_ext import env_vars
+from trainer_ext.cli.launch.handoff import train_sources
+from trainer_ext.errors import ConfigError
+from trainer_ext.job.parallel import (
+    LAUNCH_SIZES,
+    TRAIN_SIZES,
+    data_parallel_ranks,
+    fitted,
+    mesh_text,
+    parallelism_from_sizes,
+)
+
+if TYPE_CHECKING:
+    from trainer_ext.cli.launch.settings import Settings
+    from trainer_ext.distributed.mesh.config import ParallelismConfig
+
+SIZES = LAUNCH_SIZES
+
+
+@dataclass
+class ParallelPlan:
+    """The sizes the processes run with (fitted to the world), where they came from, and what they add."""
+
+    config: ParallelismConfig
+    source: str
+    train_flags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def env(self) -> dict[str, str]:
+        """accelerate's variables for a configuration that splits anything; none for plain data parallelism."""
+        if self.plain:
+            return {}
+        out = {env_vars.USE_PARALLELISM_CONFIG: "true"}
+        out.update(
+            {env_vars.PARALLELISM_CONFIG_PREFIX + name.upper(): str(getattr(self.config, name)) for name in SIZES}
+        )
+        return out
+
+    @property
+    def plain(self) -> bool:
+        """Every size 1 (or only replicas): plain data parallelism, nothing for the processes to build."""
+        return self.config.dp_replicate_size == self.config.total_size
+
+    def line(self) -> str:
+        """The dry run's line, e.g. ``mesh: dp_shard 2 x tp 2 (2 data-parallel ranks; from ...)``."""
+        ranks = data_parallel_ranks(self.config)
+        how = "plain data parallelism, accelerate's rule for sizes all 1; " if self.plain else ""
+        return f"mesh: {mesh_text(self.config)} ({how}{ranks} data-parallel rank{'s' * (ranks > 1)}; {self.source})"
+
+
+def launch_sizes(s: Settings) -> dict[str, int | None]:
+    """The sizes the launch settings give (None: not given)."""
+    return {name: s[name] for name in SIZES}
+
+
+def _given_source(s: Settings) -> str:
+    """Where the sizes came from: those above 1 (all given ones when every size is 1)."""
+    names = [name for name in SIZES if s[name] is not None and s[name] > 1]
+    names = names or [name for name in SIZES if s[name] is not None]
+    return ", ".join(f"{name} from {s.sources[name]}" for name in names)
+
+
+def check_sizes(sizes: dict[str, Any], world_size: int, deepspeed: Any, source: str) -> ParallelismConfig | None:
+    """The configuration of ``sizes`` fitted to ``world_size``; None when no size was given. ConfigError (one line)
+    for cp/sp above 1, sizes that do not multiply to ``world_size``, tensor parallelism with DeepSpeed."""
+    if all(value is None for value in sizes.values()):
+        return None
+    config = fitted(parallelism_from_sizes(sizes), world_size)
+    if config.tp_size > 1 and deepspeed:
+        raise ConfigError(
+            f"tp_size {config.tp_size} ({source}) with DeepSpeed: tensor parallelism runs on FSDP2 or alone; drop "
+            "--deepspeed (use --dp_shard_size to shard the rest) or set tp_size 1"
+        )
+    return config
+
+
+def parallel_problems(s: Settings) -> list[str]:
+    """What the launch settings alone get wrong about the sizes (for ``launch`` and ``config validate``)."""
+    try:
+        check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s))
+    except ConfigError as error:
+        return [str(error)]
+    return []
+
+
+def plan_for_script(s: Settings) -> ParallelPlan | None:
+    """The launch's sizes for a script or module; None when none was given."""
+    config = check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s))
+    return None if config is None else ParallelPlan(config, _given_source(s))
+
+
+def plan_for_train(s: Settings, user_args: Sequence[str]) -> ParallelPlan | None:
+    """The sizes ``train`` runs with: its own flags' where it sets any (the launch's are then not passed on, with a
+    note), else the launch's, passed as flags; checked against the world, DeepSpeed and the model's config."""
+    user = train_sources(user_args)
+    own = [name for name in TRAIN_SIZES if name in user]
+    launched = launch_sizes(s)
+    notes: list[str] = []
+    if own or "parallelism_config" in user:
+        values = _train_values(user_args)
+        sizes = {name: values.get(name) for name in TRAIN_SIZES}
+        shown = [name for name in own if (sizes[name] or 1) > 1] or own
+        source = ", ".join(f"{name} from {user[name]}" for name in shown) or user["parallelism_config"]
+        if any(value is not None for value in launched.values()):
+            what = own[0] if own else "parallelism_config"
+            notes.append(f"{_given_source(s)} not passed on: the train arguments set {what} (your train flags win)")
+        flags: list[str] = []
+    else:
+        sizes, source = launched, _given_source(s)
+        # sp_size is no train flag: above 1 it is refused below, and 1 means nothing
+        flags = [
+            word for name in TRAIN_SIZES if launched[name] is not None for word in (f"--{name}", str(launched[name]))
+        ]
+    deepspeed = s["deepspeed"] or "deepspeed" in train_sources(user_args)
+    config = check_sizes(sizes, s.world_size, deepspeed, source)
+    if config is None:
+        return None
+    if config.tp_size > 1:
+        notes += check_train_model(user_args, config.tp_size)
+    return ParallelPlan(config, source, flags, notes)
+
+
+def _train_values(args: Sequence[str]) -> dict[str, Any]:
+    """The user's train flag values, ``--config`` files applied (the train job's own parser; seconds)."""
+    from trainer_ext.job.flags import parse_train_values
+
+    return parse_train_values(args)[0]
+
+
+def check_train_model(args: Sequence[str], tp_size: int) -> list[str]:
+    """ConfigError when the train job's model cannot be split over ``tp_size`` ranks; notes when its config cannot
+    be read here (a hub id: checked when the model is built)."""
+    from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS, TASKS
+    from trainer_ext.job.model_limits import load_model_config
+
+    values = _train_values(args)
+    name = values.get("model_name_or_path")
+    if name:
+        path = os.path.expanduser(name)
+        if not os.path.exists(path):
+            return [f"tp_size {tp_size}: the heads of {name!r} are checked when train loads its config"]
+        config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
+        return _checked(config, tp_size, f"--model_name_or_path {name}")
+    task = str(values.get("task") or TASKS[0]).strip().lower().replace("_", "-")
+    preset = values.get("model_config") or DEFAULT_PRESET.get(task)
+    if preset is None:
+        return []  # an unknown task: train names it
+    if preset in PRESETS:
+        import transformers
+
+        config = transformers.AutoConfig.for_model(**PRESETS[preset])
+        return _checked(config, tp_size, f"the preset {preset}")
+    return _checked(load_model_config(preset), tp_size, f"--model_config {preset}")
+
+
+def _checked(config: Any, tp_size: int, source: str) -> list[str]:
+    from trainer_ext.job.parallel import check_model_for_tp
+
+    check_model_for_tp(config, tp_size, source)
+    return []
