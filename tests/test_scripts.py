@@ -316,6 +316,15 @@ def test_tensor_parallel_scripts_refuse_a_size_that_is_no_count(
     assert proc.stderr.strip() == f"{variable}=two is not a process count: set {variable} to a whole number such as 2"
 
 
+def test_fsdp_tp_script_dry_run_shows_the_mesh(launch_config) -> None:
+    proc = _script("fsdp_tp.sh", "--max_steps", "3", env=_environment(launch_config, DEVICE="cpu", DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh: dp_shard 2 x tp 2 (2 data-parallel ranks;" in proc.stdout
+    command = proc.stdout.split("command:")[1]
+    assert "PARALLELISM_CONFIG_TP_SIZE=2" in command and "--nproc_per_node 4" in command
+    assert command.strip().endswith("--max_steps 3 --use_cpu --dp_shard_size 2 --tp_size 2")
+
+
 SLURM = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": ""}
 
 
