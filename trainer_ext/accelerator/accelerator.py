@@ -39,7 +39,7 @@ from trainer_ext.accelerator.preparing import (
     show_loop_objects,
     spread_by_device_map,
 )
-from trainer_ext.accelerator.processes import join_uneven_inputs, runs_on, unconfigured
+from trainer_ext.accelerator.processes import join_uneven_inputs, mesh_rank, runs_on, unconfigured
 from trainer_ext.accelerator.scheduler import PreparedScheduler
 from trainer_ext.accelerator.setup import (
     build_engine,
@@ -161,9 +161,9 @@ class Accelerator:
         """accelerate's answer without a parallelism config: the local main process."""
         return self.is_local_main_process
 
-    # accelerate's composable-parallelism surface (tensor/context/pipeline parallelism): not configured here
-    parallelism_config = None
-    torch_device_mesh = None
+    # accelerate's composable-parallelism surface: the configuration and its N-D mesh (None without one)
+    parallelism_config = property(lambda self: self.engine.parallelism_config)
+    torch_device_mesh = property(lambda self: self.engine.torch_device_mesh)
 
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2)
 
@@ -402,12 +402,12 @@ class Accelerator:
         ``even_batches`` overrides the accelerator's inside the block."""
         return join_uneven_inputs(self.engine, joinables, even_batches, self.even_batches)
 
-    # ranks along parallel dimensions: none is configured (accelerate's answers without a parallelism_config)
-    tensor_parallel_rank = unconfigured("tensor_parallel_rank")
+    # ranks along parallel dimensions: the mesh's, or accelerate's answers where the dimension is not configured
+    tensor_parallel_rank = mesh_rank("tensor_parallel_rank", "tp")
     pipeline_parallel_rank = unconfigured("pipeline_parallel_rank")
     context_parallel_rank = unconfigured("context_parallel_rank")
-    data_parallel_rank = unconfigured("data_parallel_rank")
-    data_parallel_shard_rank = unconfigured("data_parallel_shard_rank")
+    data_parallel_rank = mesh_rank("data_parallel_rank", "dp_replicate")
+    data_parallel_shard_rank = mesh_rank("data_parallel_shard_rank", "dp_shard")
 
     def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
         """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""

@@ -254,7 +254,7 @@ class StateCheckpoints:
                 output_dir,
                 self.engine.state,
                 **objects,
-                extra={"step": step, "processes": self.engine.state.num_processes},
+                extra={"step": step, "processes": self.engine.num_data_parallel_processes},
                 before_write=before_write,
             )
         except BaseException:
@@ -301,8 +301,9 @@ class StateCheckpoints:
             extra = checkpoint.load_state(input_dir, self.engine.state, **objects)
             # the accumulation count is in micro-batches of this process: on another number of processes, the same
             # share of the epoch (the loaders translate their positions the same way)
-            processes = int(extra.get("processes", self.engine.state.num_processes))
-            step = int(extra.get("step", 0)) * processes // self.engine.state.num_processes
+            here = self.engine.num_data_parallel_processes  # the ranks that read different batches
+            processes = int(extra.get("processes", here))
+            step = int(extra.get("step", 0)) * processes // here
             scaler, random_states = self.engine.scaler is not None, True
         if self.host.is_main_process:  # accelerate's lines, said once the folder is loaded (after the loader's own)
             progress.info(f"Loading states from {input_dir}")

@@ -47,7 +47,7 @@ def show_loop_objects(
         # accelerate's reading: the total was counted over the unsharded loader, once per process
         total = scheduler.total_num_steps
         if total is not None and not split_batches:
-            total = math.ceil(total / engine.state.num_processes)
+            total = math.ceil(total / engine.num_data_parallel_processes)
         schedule = (total, scheduler.warmup_num_steps)
     engine.strategy.take_loop_objects(optimizers[0] if optimizers else None, scheduler, schedule)
     loaders = [o for o in objects if isinstance(o, DataLoader)]

@@ -90,6 +90,20 @@ _UNCONFIGURED: dict[str, tuple[type[Exception], str]] = {
 }
 
 
+def mesh_rank(name: str, dimension: str) -> property:
+    """This rank's coordinate along ``dimension`` of the engine's mesh; accelerate's error for ``name`` when the
+    configuration does not enable that dimension."""
+    error, message = _UNCONFIGURED[name]
+
+    def read(accelerator: Any) -> int:
+        config, built = accelerator.engine.parallelism_config, accelerator.engine.parallel_mesh
+        if config is None or built is None or getattr(config, f"{dimension}_size") == 1:
+            raise error(message)
+        return built[dimension].get_local_rank()
+
+    return property(read)
+
+
 def unconfigured(name: str) -> property:
     """The rank ``name`` along a parallel dimension that is not configured: reading it raises accelerate's error."""
     error, message = _UNCONFIGURED[name]

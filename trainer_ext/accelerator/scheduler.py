@@ -30,7 +30,8 @@ class PreparedScheduler:
         if acc.optimizer_step_was_skipped:
             return
         once = acc.split_batches or acc.scheduler_counts_optimizer_steps
-        for _ in range(1 if once else acc.num_processes):
+        # once per data-parallel rank: ranks of one tensor-parallel group read the same batches
+        for _ in range(1 if once else acc.engine.num_data_parallel_processes):
             total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)

@@ -19,8 +19,10 @@ from trainer_ext.accelerator.options import (
 )
 from trainer_ext.distributed.data.shuffle import RNG_TYPES
 from trainer_ext.distributed.engine import Engine
+from trainer_ext.distributed.mesh import setup as mesh_setup
 from trainer_ext.distributed.rules import check_precision
-from trainer_ext.distributed.state import DistState
+from trainer_ext.distributed.state import DistState, detect_topology
+from trainer_ext.distributed.strategies import strategy_for
 from trainer_ext.distributed.strategies.deepspeed.plugin import DeepSpeedPlugin
 from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings, parse_fsdp
 from trainer_ext.distributed.strategies.fsdp.plugin import FullyShardedDataParallelPlugin
@@ -34,7 +36,6 @@ from trainer_ext.errors import ConfigError
 _PLUGINS = {
     "torch_tp_plugin": None,
     "megatron_lm_plugin": None,
-    "parallelism_config": None,
     "dynamo_plugin": "dynamo_backend=<backend name>",
 }
 
@@ -208,15 +209,19 @@ def build_engine(
     a = arguments
     init_handler = handlers.get(InitProcessGroupKwargs)
     init = init_handler.to_kwargs() if init_handler is not None else {}
-    state = DistState(cpu=a["cpu"], timeout=init.get("timeout", a["timeout"]), backend=init.get("backend"))
-    mode = str(a["mixed_precision"] or os.environ.get(_ENV_PRECISION) or "no")
-    check_precision(mode, state.device)
+    parallelism = mesh_setup.as_parallelism_config(a["parallelism_config"])
+    world_size = detect_topology().world_size
+    mesh_setup.check_parallelism(parallelism, world_size)
     deepspeed_config = a["deepspeed_config"]
     if a["deepspeed_plugin"] is None and a["deepspeed_plugins"] is None and deepspeed_config is None:
         deepspeed_config = launched_deepspeed_config(a["fsdp_config"] is not None or a["fsdp_plugin"] is not None)
     ds_config, ds_plugin = deepspeed_settings(a["deepspeed_plugin"], a["deepspeed_plugins"], deepspeed_config)
     fsdp, fsdp_view = fsdp_settings(a["fsdp_plugin"], a["fsdp_config"], ds_config is not None)
     strategy, options = strategy_settings(fsdp, ds_config, handlers.get(DistributedDataParallelKwargs))
+    strategy_for(strategy, parallelism, world_size)  # a layout the backend cannot run: refused before the group
+    state = DistState(cpu=a["cpu"], timeout=init.get("timeout", a["timeout"]), backend=init.get("backend"))
+    mode = str(a["mixed_precision"] or os.environ.get(_ENV_PRECISION) or "no")
+    check_precision(mode, state.device)
     scaler, autocast = handlers.get(GradScalerKwargs), handlers.get(AutocastKwargs)
     dynamo = a["dynamo_backend"]
     engine = Engine(
@@ -237,6 +242,7 @@ def build_engine(
         ),
         scaler_kwargs=scaler.to_kwargs() if scaler is not None else None,
         autocast_kwargs=autocast.to_kwargs() if autocast is not None else None,
+        parallelism_config=parallelism,
     )
     state.deepspeed_plugin = ds_plugin
     state.fsdp_plugin = fsdp_view

@@ -22,23 +22,30 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def resolve_strategy(
-    state: DistState, name: str | None = None, *, parallelism: ParallelismConfig | None = None, **options: Any
-) -> Strategy:
-    """Build the strategy ``name`` (default: ``fsdp`` when ``parallelism`` splits the model over a mesh, else ``ddp``
-    for several processes, else ``single``), after checking that it takes ``parallelism``'s layout."""
+def strategy_for(name: str | None, parallelism: ParallelismConfig | None, world_size: int) -> type[Strategy]:
+    """The strategy class ``name`` names (default: ``fsdp`` when ``parallelism`` splits the model over a mesh, else
+    ``ddp`` for several processes, else ``single``), checked to take ``parallelism``'s layout (no group needed)."""
     if name is None:
         if parallelism is not None and (parallelism.dp_shard_enabled or parallelism.tp_enabled):
             name = "fsdp"
         else:
-            name = "ddp" if state.use_distributed else "single"
+            name = "ddp" if world_size > 1 else "single"
     if name not in STRATEGIES:
         raise ConfigError(
             f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}.{did_you_mean(name, STRATEGIES)}"
         )
     if parallelism is not None:
         STRATEGIES[name].check_parallelism(parallelism)
-    STRATEGIES[name].claim_world(state)
+    return STRATEGIES[name]
+
+
+def resolve_strategy(
+    state: DistState, name: str | None = None, *, parallelism: ParallelismConfig | None = None, **options: Any
+) -> Strategy:
+    """Build the strategy ``name`` (see :func:`strategy_for`) on ``state``'s processes."""
+    cls = strategy_for(name, parallelism, state.num_processes if state.use_distributed else 1)
+    cls.claim_world(state)
+    return cls.from_options(state, **options)
     return STRATEGIES[name].from_options(state, **options)
 
 
@@ -56,4 +63,5 @@ __all__ = [
     "Strategy",
     "checkpoint_owner",
     "resolve_strategy",
+    "strategy_for",
 ]
