@@ -56,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "accepted (trainer-ext train --help).",
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    parser.add_argument("--num_processes", type=_process_count, default=1, help="processes (ranks) to estimate for")
+    parser.add_argument(
+        "--num_processes",
+        type=_process_count,
+        default=None,
+        help="processes (ranks) to estimate for (default: the product of --dp_replicate_size, --dp_shard_size and "
+        "--tp_size, else 1)",
+    )
     parser.add_argument(
         "--device_memory",
         metavar="SIZE",
@@ -189,13 +195,15 @@ def run_estimate(argv: Sequence[str]) -> int:
     job = job_from_argv(train_argv, options.num_processes)
     breakdown = estimate(job.shape, job.setup)
     print(_model_line(job.shape))
+    if job.mesh:
+        print(f"mesh: {job.mesh}")
     for note in job.notes:
         print(f"note: {note}")
     print(f"estimated in {time.perf_counter() - started:.1f}s (model on the meta device), per rank:")
     measured = None
     if options.measure:
         try:
-            measured = measure(train_argv, options.num_processes)
+            measured = measure(train_argv, job.setup.world_size)
         except RuntimeError as error:
             print(format_breakdown(breakdown, job.setup, indent="  "))
             print(f"error: {error}", file=sys.stderr)

@@ -43,16 +43,18 @@ class Breakdown:
 
 def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float, float]:
     """(weights, gradients, optimizer, transient weights, offloaded) bytes per rank."""
-    p, t, w = shape.params, shape.trainable, setup.shards
+    tp, w = setup.tp_size, setup.shards
+    ob = optimizer_state(shape, setup) / max(shape.trainable, 1)  # bytes per trainable parameter (Adafactor: < 4)
+    # what one tensor-parallel rank holds: the plan's split parameters divided by tp_size, the rest whole
+    p, t = shape.tp_local(shape.params, shape.tp_params, tp), shape.tp_local(shape.trainable, shape.tp_trainable, tp)
+    layer = shape.tp_local(shape.layer_params, shape.tp_layer_params, tp)
+    outer = shape.tp_local(shape.outer_params, max(shape.tp_params - shape.num_layers * shape.tp_layer_params, 0), tp)
     cb = setup.compute_bytes
     mixed = setup.precision in ("bf16", "fp16")
-    ob = optimizer_state(shape, setup) / max(t, 1)  # bytes per trainable parameter (Adafactor: far below 4)
-    gathered = cb * (shape.outer_params + 2 * shape.layer_params)  # root unit + the running and the prefetched layer
+    gathered = cb * (outer + 2 * layer)  # root unit + the running and the prefetched layer
     if setup.strategy == "fsdp":
         states = (4 * p / w, 4 * t / w, ob * t / w)
-        transient = (gathered if setup.reshard_after_forward else cb * p) + 4 * max(
-            shape.layer_params, shape.outer_params
-        )
+        transient = (gathered if setup.reshard_after_forward else cb * p) + 4 * max(layer, outer)
         if setup.offload_params:
             return 0.0, 0.0, 0.0, transient, sum(states)
         return (*states, transient, 0.0)
@@ -75,7 +77,7 @@ def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float
         if setup.offload_params and stage >= 3:
             offloaded += model
             model = 0.0
-        transient = md * (shape.outer_params + 2 * shape.layer_params) if stage >= 3 else 0.0
+        transient = md * (outer + 2 * layer) if stage >= 3 else 0.0
         return model + master, grads, optim, transient, offloaded
     transient = (cb * p if mixed else 0) + (4 * t if setup.strategy == "ddp" else 0)  # autocast copies, DDP buckets
     return 4 * p, 4 * t, ob * t, transient, 0.0

@@ -25,6 +25,8 @@ from trainer_ext.job.model_limits import check_job_config, check_model_config
 
 # read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs a launcher)
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
+# the mesh's sizes: checked against --num_processes here, not against this one process by TrainingArguments
+PARALLEL_FLAGS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
 
@@ -37,6 +39,7 @@ class Job:
     setup: Setup
     args: Any
     notes: tuple[str, ...] = ()
+    mesh: str = ""  # the parallel sizes' mesh, e.g. "dp_shard 2 x tp 2 (2 data-parallel ranks)"; "" without sizes
 
 
 def check_combinations(values: dict[str, Any], num_processes: int) -> None:
@@ -63,20 +66,30 @@ def check_combinations(values: dict[str, Any], num_processes: int) -> None:
         TrainJobArguments._process_fsdp_args(flags)  # fsdp_config keys and its checkpointing rule, as train reads them
 
 
-def parse_job_flags(argv: Sequence[str], num_processes: int) -> tuple[dict[str, Any], Any]:
+def parse_job_flags(argv: Sequence[str], num_processes: int | None) -> tuple[dict[str, Any], Any]:
     """The flag values and the TrainJobArguments ``train`` would build, checked as launched on ``num_processes``
-    ranks but not against this machine (strategy and precision flags are left out of the arguments)."""
+    ranks but not against this machine (strategy, precision and parallel flags are left out of the arguments; the
+    parallel sizes are checked on their own, not against ``num_processes``)."""
+    values, args, _, _ = _parse(argv, num_processes, fit=False)
+    return values, args
+
+
+def _parse(argv: Sequence[str], num_processes: int | None, fit: bool = True) -> tuple[dict[str, Any], Any, Any, int]:
+    """:func:`parse_job_flags`, with the ``ParallelismConfig`` (or None) fitted to the number of processes (None:
+    the sizes' product), and that number."""
     from trainer_ext.job.arguments import TrainJobArguments
     from trainer_ext.job.flags import _unknown_flag_error, parse_train_values
 
     values, extras, parser = parse_train_values(argv)
     if extras:
         raise _unknown_flag_error(extras, parser, command="estimate", more_flags=ESTIMATE_FLAGS)
+    config, world = parallel_sizes(values, num_processes if fit else None)
+    num_processes = world if fit or num_processes is None else num_processes
     check_combinations(values, num_processes)
     built = dict(values)
-    for name in TARGET_FLAGS:
+    for name in TARGET_FLAGS + PARALLEL_FLAGS:
         built[name] = parser.get_default(name)
-    return values, TrainJobArguments(**built)
+    return values, TrainJobArguments(**built), config, num_processes
 
 
 def vocabulary_note(args: Any, tokenizer: Any) -> str | None:
@@ -144,17 +157,58 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
     return model, sequence_length(args, lengths), notes
 
 
-def job_from_argv(argv: Sequence[str], num_processes: int) -> Job:
-    """Parse train flags, build the meta model, read the setup for ``num_processes`` ranks."""
-    if num_processes < 1:
+def parallel_sizes(values: dict[str, Any], num_processes: int | None) -> tuple[Any, int]:
+    """The job's ``ParallelismConfig`` fitted to the processes (None without sizes) and the number of processes:
+    ``num_processes`` when given, else the sizes' product. ConfigError as ``launch`` refuses: sizes that do not
+    multiply to the processes, cp_size above 1, tensor parallelism with DeepSpeed."""
+    from trainer_ext.job.parallel import fitted, parallelism_from_sizes
+
+    config = parallelism_from_sizes({name: values.get(name) for name in PARALLEL_FLAGS})
+    world = num_processes if num_processes is not None else (config.total_size if config else 1)
+    if config is None:
+        return None, world
+    config = fitted(config, world)
+    if config.tp_size > 1 and values.get("deepspeed"):
+        raise ConfigError(
+            f"--tp_size {config.tp_size} with --deepspeed: tensor parallelism runs on FSDP2 or alone; drop "
+            "--deepspeed (use --dp_shard_size to shard the rest) or set --tp_size 1"
+        )
+    return config, world
+
+
+def check_tp_model(model: torch.nn.Module, tp_size: int, source: str) -> None:
+    """The model's own plan and the sizes it splits, as training checks them before sharding (one line)."""
+    from trainer_ext.distributed.mesh.tensor_parallel import model_tp_plan
+    from trainer_ext.job.parallel import check_tp_config
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    values = {**config.to_dict(), "model_type": getattr(model.config, "model_type", None)}
+    base = getattr(config, "base_model_tp_plan", None)
+    check_tp_config(values, base if base or not model_tp_plan(model) else model_tp_plan(model), tp_size, source)
+
+
+def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
+    """Parse train flags, build the meta model, read the setup for ``num_processes`` ranks (default: the product of
+    the parallel sizes, else 1)."""
+    if num_processes is not None and num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
-    values, args = parse_job_flags(argv, num_processes)
+    values, args, config, num_processes = _parse(argv, num_processes)
     model, seq_len, notes = build_meta_model(args)
+    if config is not None and config.tp_size > 1:
+        check_tp_model(model, config.tp_size, "the model")
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "optim": getattr(args.optim, "value", args.optim),
         "optim_args": args.optim_args,
+        **({name: getattr(config, name) for name in PARALLEL_FLAGS} if config is not None else {}),
     }
-    return Job(ModelShape.from_model(model), setup_from_values(filled, num_processes, seq_len), args, tuple(notes))
+    mesh = ""
+    if config is not None:
+        from trainer_ext.job.parallel import data_parallel_ranks, mesh_text
+
+        ranks = data_parallel_ranks(config)
+        mesh = f"{mesh_text(config)} ({ranks} data-parallel rank{'s' * (ranks > 1)})"
+    setup = setup_from_values(filled, num_processes, seq_len)
+    return Job(ModelShape.from_model(model), setup, args, tuple(notes), mesh)

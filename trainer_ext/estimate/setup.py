@@ -65,15 +65,34 @@ class Setup:
     checkpointing: bool = False
     optimizer_bytes: int = 8
     optimizer_factored: bool = False  # Adafactor: state per factored element (ModelShape.factored_trainable)
-    replicate: int = 1  # FSDP hybrid sharding: replicas, each sharding over world_size // replicate ranks
+    replicate: int = 1  # FSDP hybrid sharding: replicas, each sharding over world_size // (replicate * tp_size)
+    tp_size: int = 1  # tensor parallelism: ranks that split each layer and see the same batch
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
         if self.world_size < 1:
             raise ConfigError(f"--num_processes must be at least 1, got {self.world_size}")
-        if self.strategy == "single" and self.world_size > 1:
+        if self.strategy == "single" and self.data_parallel > 1:
             object.__setattr__(self, "strategy", "ddp")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches: the world over the tensor-parallel ranks."""
+        return max(self.world_size // max(self.tp_size, 1), 1)
+
+    @property
+    def mesh(self) -> str:
+        """The mesh as ``dp_replicate 2 x dp_shard 2 x tp 2`` (dimensions above 1); '' without tensor parallelism or
+        a replicated FSDP."""
+        if self.tp_size <= 1 and not (self.strategy == "fsdp" and self.replicate > 1):
+            return ""
+        if self.strategy == "fsdp":
+            dims = (("dp_replicate", self.replicate), ("dp_shard", self.shards))
+        else:
+            dims = (("dp_replicate", self.data_parallel),)
+        dims += (("tp", self.tp_size),)
+        return " x ".join(f"{name} {size}" for name, size in dims if size > 1)
 
     @property
     def compute_bytes(self) -> int:
@@ -83,7 +102,7 @@ class Setup:
     @property
     def shards(self) -> int:
         if self.strategy == "fsdp":
-            return max(self.world_size // max(self.replicate, 1), 1)
+            return max(self.world_size // (max(self.replicate, 1) * max(self.tp_size, 1)), 1)
         return self.world_size if self.strategy == "deepspeed" else 1
 
     def replace(self, **changes: Any) -> Setup:
@@ -101,6 +120,9 @@ class Setup:
             name += f" (offload {', '.join(offloads)})" if offloads else ""
         else:
             name = self.strategy.upper() if self.strategy == "ddp" else "single process"
+        if self.tp_size > 1:
+            name = f"tensor parallel {self.tp_size}" + ("" if self.data_parallel == 1 else f" x {name}")
+            name += f" (mesh {self.mesh})"
         precision = {"no": "fp32"}.get(self.precision, self.precision)
         ckpt = ", activation checkpointing" if self.checkpointing else ""
         return (
@@ -170,6 +192,15 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsd
         settings = fsdp_settings or parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
         options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
+    tp_size = int(values.get("tp_size") or 1)
+    dp_shard, dp_replicate = int(values.get("dp_shard_size") or 1), int(values.get("dp_replicate_size") or 1)
+    if dp_shard > 1 and strategy != "fsdp":  # a mesh with a shard dimension runs FSDP2 over it
+        strategy = "fsdp"
+        settings = parse_fsdp("full_shard", values.get("fsdp_config"))
+        options.update(fsdp_options(settings, world_size))
+        checkpointing = checkpointing or settings.activation_checkpointing
+    if strategy == "fsdp" and (dp_shard > 1 or tp_size > 1):
+        options["replicate"] = dp_replicate
     optim = values.get("optim") or "adamw_torch"
     return Setup(
         strategy=strategy,
@@ -181,5 +212,6 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsd
         checkpointing=checkpointing,
         optimizer_bytes=optimizer_state_bytes(optim, values.get("optim_args")),
         optimizer_factored=is_factored(optim),
+        tp_size=tp_size,
         **options,
     )

@@ -36,10 +36,19 @@ class ModelShape:
     attn_implementation: str = "sdpa"
     factored_trainable: int = 0  # Adafactor's state elements: rows + columns per trainable matrix, numel per vector
     blocks_params: int = 0  # parameters of all the repeated blocks together (0: num_layers x layer_params)
+    # parameters the model's own tensor-parallel plan splits (weights of its colwise/rowwise linears and sharded
+    # embeddings, biases of colwise ones): all, trainable, and those of the largest repeated block
+    tp_params: int = 0
+    tp_trainable: int = 0
+    tp_layer_params: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // max(self.heads, 1)
+
+    def tp_local(self, count: int, split: int, tp_size: int) -> float:
+        """Elements one tensor-parallel rank holds of ``count``, of which ``split`` the plan divides by ``tp_size``."""
+        return count - split + split / max(tp_size, 1)
 
     @property
     def outer_params(self) -> int:
@@ -60,6 +69,9 @@ class ModelShape:
         hidden = _first(config, "hidden_size", "n_embd", "d_model", default=0)
         heads = _first(config, "num_attention_heads", "n_head", default=1)
         architectures = type(model).__name__
+        split = tp_split_parameters(model)
+        largest = max(layers, key=lambda block: sum(_numel(p) for p in block.parameters()), default=None)
+        block_ids = {id(p) for p in largest.parameters()} if largest is not None else set()
         return cls(
             model_type=str(getattr(config, "model_type", "unknown")),
             params=params,
@@ -75,7 +87,31 @@ class ModelShape:
             causal_lm=architectures.endswith(("ForCausalLM", "LMHeadModel")),
             attn_implementation=str(getattr(config, "_attn_implementation", None) or "sdpa"),
             factored_trainable=factored,
+            tp_params=sum(_numel(p) for p in split),
+            tp_trainable=sum(_numel(p) for p in split if p.requires_grad),
+            tp_layer_params=sum(_numel(p) for p in split if id(p) in block_ids),
         )
+
+
+def tp_split_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters (each once) the model's own tensor-parallel plan splits: every weight of a module it shards,
+    the bias of a colwise one (a rowwise bias is replicated); none without a plan."""
+    from trainer_ext.distributed.mesh.tensor_parallel import STYLES, model_tp_plan, resolve_plan
+
+    try:
+        resolved = resolve_plan(model, model_tp_plan(model), strict=False)
+    except ValueError:  # a style the mesh module does not apply: training refuses it; nothing split here
+        return []
+    found: dict[int, torch.nn.Parameter] = {}
+    for name, style in resolved.items():
+        kind = STYLES[style][0]
+        if not kind:
+            continue
+        module = model.get_submodule(name)
+        for attr, param in module.named_parameters(recurse=False):
+            if attr == "weight" or kind == "colwise":
+                found[id(param)] = param
+    return list(found.values())
 
 
 def _numel(p: torch.nn.Parameter) -> int:
