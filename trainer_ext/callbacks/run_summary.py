@@ -53,15 +53,33 @@ def run_summary(
     schedule: str,
     tokens: tuple[float, bool] | None = None,
     threads: str | None = None,
+    mesh: str | None = None,
+    data_parallel: int | None = None,
 ) -> str:
-    """The block as text (a pure function so that it is tested without a run)."""
-    global_batch = world_size * per_device_batch * accumulation
+    """The block as text (a pure function so that it is tested without a run). ``mesh`` and ``data_parallel``: the
+    parallelism config's mesh and its data-parallel ranks (the world over tensor-parallel ranks, which share a
+    batch): those ranks, not the processes, multiply the batch."""
+    ranks = world_size if data_parallel is None else data_parallel
+    global_batch = ranks * per_device_batch * accumulation
     lines = [
         "***** trainer_ext: one optimizer step *****",
         f"  world size              = {world_size} ({strategy})",
+    ]
+    if mesh is not None:
+        shared = world_size // max(ranks, 1)
+        lines += [
+            f"  mesh                    = {mesh}",
+            f"  data-parallel ranks     = {ranks}"
+            + (
+                f" (world {world_size} / {shared}: the ranks of one tensor-parallel group share a batch)"
+                if shared > 1
+                else ""
+            ),
+        ]
+    lines += [
         f"  per-device batch        = {per_device_batch}",
         f"  accumulation steps      = {accumulation}",
-        f"  global batch (samples)  = {global_batch} = {world_size} x {per_device_batch} x {accumulation}",
+        f"  global batch (samples)  = {global_batch} = {ranks} x {per_device_batch} x {accumulation}",
     ]
     if tokens is not None:
         mean, exact = tokens
@@ -87,6 +105,18 @@ def run_summary(
     return "\n".join(lines)
 
 
+def _mesh(engine: Any, world_size: int) -> tuple[str | None, int | None]:
+    """The engine's mesh as text and its data-parallel ranks; (None, None) without a parallelism config."""
+    config = getattr(engine, "parallelism_config", None)
+    if config is None:
+        return None, None
+    from trainer_ext.job.parallel import data_parallel_ranks, mesh_text
+
+    if config.total_size != world_size:  # all sizes 1 on several processes: plain data parallelism
+        return f"dp_replicate {world_size}", world_size
+    return mesh_text(config), data_parallel_ranks(config)
+
+
 class RunSummaryCallback(TrainerCallback):
     """Prints :func:`run_summary` on the main process when training starts."""
 
@@ -103,6 +133,7 @@ class RunSummaryCallback(TrainerCallback):
         if engine.scaler is not None:
             precision += f" (loss scaler: initial scale {engine.scaler.get_scale():g})"
         warmup = args.get_warmup_steps(state.max_steps)
+        mesh, data_parallel = _mesh(engine, args.world_size)
         self.printed = run_summary(
             world_size=args.world_size,
             per_device_batch=args.train_batch_size,
@@ -115,5 +146,7 @@ class RunSummaryCallback(TrainerCallback):
             f"with {warmup} warm-up steps",
             tokens=_tokens_per_sample(getattr(train_dataloader, "dataset", None)),
             threads=cpu_threads.current(cpu_threads.local_processes()).describe(),
+            mesh=mesh,
+            data_parallel=data_parallel,
         )
         print(self.printed, flush=True)
