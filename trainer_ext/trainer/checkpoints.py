@@ -145,9 +145,11 @@ class CheckpointingMixin:
         """What fixes the data position of a step: the per-rank micro-batch and the global batch."""
         args = self.args
         micro = args.per_device_train_batch_size
+        # the ranks that read different batches (ranks of one tensor-parallel group read the same)
+        readers = getattr(self.accelerator, "num_data_parallel_processes", args.world_size)
         return {
             "micro_batch_size": micro,
-            "global_batch_size": micro * args.gradient_accumulation_steps * args.world_size,
+            "global_batch_size": micro * args.gradient_accumulation_steps * readers,
         }
 
     def _check_compatible(self, path: Path) -> None:
@@ -172,7 +174,7 @@ class CheckpointingMixin:
                 raise ConfigError(
                     f"{path.name} was saved by {saved} processes, this run has {self.args.world_size}. A run moves to "
                     "another number of processes only with the same per-device batch and the same global batch "
-                    f"(per_device_train_batch_size x gradient_accumulation_steps x processes): saved "
+                    f"(per_device_train_batch_size x gradient_accumulation_steps x data-parallel processes): saved "
                     f"{facts.get('micro_batch_size', '?')} / {facts.get('global_batch_size', '?')}, now "
                     f"{now['micro_batch_size']} / {now['global_batch_size']}. Adjust --gradient_accumulation_steps, "
                     f"or start a new run from its weights (--model_name_or_path {path})"
