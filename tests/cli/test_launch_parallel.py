@@ -213,3 +213,25 @@ def test_a_launch_config_with_bad_sizes_is_refused_by_config_validate_too(tmp_pa
         timeout=120,
     )
     assert proc.returncode == 2 and "ParallelismConfig spans 3 processes" in proc.stdout + proc.stderr
+
+
+def test_a_pretrained_models_vocabulary_must_split_by_rows(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=91,
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    line = one_problem(
+        launch_cli("--num_processes", "2", "--tp_size", "2", *CAUSAL, "--model_name_or_path", str(folder))
+    )
+    assert line == (
+        f"tensor parallelism over 2 ranks needs vocab_size (91) of --model_name_or_path {folder} divisible by 2: "
+        "choose a tp_size that divides 91"
+    )

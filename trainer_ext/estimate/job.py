@@ -176,7 +176,7 @@ def parallel_sizes(values: dict[str, Any], num_processes: int | None) -> tuple[A
     return config, world
 
 
-def check_tp_model(model: torch.nn.Module, tp_size: int, source: str) -> None:
+def check_tp_model(model: torch.nn.Module, tp_size: int, source: str, vocab: bool = False) -> None:
     """The model's own plan and the sizes it splits, as training checks them before sharding (one line)."""
     from trainer_ext.distributed.mesh.tensor_parallel import model_tp_plan
     from trainer_ext.job.parallel import check_tp_config
@@ -184,7 +184,8 @@ def check_tp_model(model: torch.nn.Module, tp_size: int, source: str) -> None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     values = {**config.to_dict(), "model_type": getattr(model.config, "model_type", None)}
     base = getattr(config, "base_model_tp_plan", None)
-    check_tp_config(values, base if base or not model_tp_plan(model) else model_tp_plan(model), tp_size, source)
+    plan = base if base or not model_tp_plan(model) else model_tp_plan(model)
+    check_tp_config(values, plan, tp_size, source, vocab)
 
 
 def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
@@ -193,9 +194,11 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
     if num_processes is not None and num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
     values, args, config, num_processes = _parse(argv, num_processes)
+    if config is not None:
+        args.tp_size = config.tp_size  # a vocabulary from scratch is padded for it, as train pads it
     model, seq_len, notes = build_meta_model(args)
     if config is not None and config.tp_size > 1:
-        check_tp_model(model, config.tp_size, "the model")
+        check_tp_model(model, config.tp_size, "the model", vocab=bool(args.model_name_or_path))
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,

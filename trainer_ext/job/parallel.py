@@ -50,11 +50,14 @@ def data_parallel_ranks(config: ParallelismConfig) -> int:
     return config.total_size // config.non_data_parallel_size
 
 
-def check_tp_config(values: Mapping[str, Any], tp_plan: Mapping[str, str] | None, tp_size: int, source: str) -> None:
+def check_tp_config(
+    values: Mapping[str, Any], tp_plan: Mapping[str, str] | None, tp_size: int, source: str, vocab: bool = False
+) -> None:
     """Refuse a model that tensor parallelism over ``tp_size`` ranks cannot split, before any process starts: no
     plan (``base_model_tp_plan``), or a head count, key/value head count or intermediate size the plan splits that
-    ``tp_size`` does not divide (the mesh module's rule, on the config alone). ``values``: the (text) config's
-    fields."""
+    ``tp_size`` does not divide (the mesh module's rule, on the config alone); with ``vocab`` (a pretrained model: a
+    vocabulary from scratch is padded) the ``vocab_size`` that the embedding's split by rows needs divisible.
+    ``values``: the (text) config's fields."""
     if tp_size <= 1:
         return
     if not tp_plan:
@@ -65,7 +68,9 @@ def check_tp_config(values: Mapping[str, Any], tp_plan: Mapping[str, str] | None
             "mistral, ...)"
         )
     leaves = {key.rsplit(".", 1)[-1] for key, style in tp_plan.items() if style != "replicate"}
-    for field, users in SPLIT_SIZES:
+    splits = [*SPLIT_SIZES, ("vocab_size", ("embed_tokens",))] if vocab else SPLIT_SIZES
+    leaves.add("embed_tokens")  # transformers adds it to every plan of a model with input embeddings
+    for field, users in splits:
         size = values.get(field)
         if field == "num_key_value_heads" and size is None:
             size = values.get("num_attention_heads")
@@ -76,11 +81,11 @@ def check_tp_config(values: Mapping[str, Any], tp_plan: Mapping[str, str] | None
             )
 
 
-def check_model_for_tp(config: Any, tp_size: int, source: str) -> None:
+def check_model_for_tp(config: Any, tp_size: int, source: str, vocab: bool = False) -> None:
     """:func:`check_tp_config` on a transformers ``PretrainedConfig`` (its text config for a multimodal one)."""
     if tp_size <= 1:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
     values = {**text.to_dict(), "model_type": getattr(config, "model_type", None)}
-    check_tp_config(values, plan, tp_size, source)
+    check_tp_config(values, plan, tp_size, source, vocab)

@@ -377,7 +377,7 @@ def build_model(
             )
         else:
             config = model_config(args)
-            config.update(dict(vocab_size=len(tokenizer), **label_kwargs))
+            config.update(dict(vocab_size=vocab_for(args, len(tokenizer)), **label_kwargs))
             config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
             config.eos_token_id = tokenizer.eos_token_id
             if labels is None and config.model_type == "bert":
@@ -394,6 +394,17 @@ def build_model(
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def vocab_for(args: TrainJobArguments, size: int) -> int:
+    """A model from scratch's vocabulary: the tokenizer's ``size``, rounded up to a multiple of the tensor-parallel
+    size (the plan splits the embedding by rows; the ids above ``size`` never occur)."""
+    config = getattr(args, "parallelism_config", None)
+    tp_size = getattr(args, "tp_size", None) or (config.tp_size if config is not None else 1)
+    padded = -(-size // tp_size) * tp_size
+    if padded != size and args.process_index == 0:
+        logger.info("vocab_size %d padded to %d, a multiple of tp_size %d", size, padded, tp_size)
+    return padded
 
 
 def model_config(args: TrainJobArguments) -> transformers.PretrainedConfig:

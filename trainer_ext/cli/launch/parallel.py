@@ -158,7 +158,7 @@ def check_train_model(args: Sequence[str], tp_size: int) -> list[str]:
         if not os.path.exists(path):
             return [f"tp_size {tp_size}: the heads of {name!r} are checked when train loads its config"]
         config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
-        return _checked(config, tp_size, f"--model_name_or_path {name}")
+        return _checked(config, tp_size, f"--model_name_or_path {name}", vocab=True)
     task = str(values.get("task") or TASKS[0]).strip().lower().replace("_", "-")
     preset = values.get("model_config") or DEFAULT_PRESET.get(task)
     if preset is None:
@@ -171,8 +171,10 @@ def check_train_model(args: Sequence[str], tp_size: int) -> list[str]:
     return _checked(load_model_config(preset), tp_size, f"--model_config {preset}")
 
 
-def _checked(config: Any, tp_size: int, source: str) -> list[str]:
+def _checked(config: Any, tp_size: int, source: str, vocab: bool = False) -> list[str]:
+    """No notes, or the ConfigError of :func:`check_model_for_tp` (``vocab``: a pretrained model's vocabulary,
+    which train does not pad)."""
     from trainer_ext.job.parallel import check_model_for_tp
 
-    check_model_for_tp(config, tp_size, source)
+    check_model_for_tp(config, tp_size, source, vocab)
     return []
