@@ -110,11 +110,11 @@ def _mesh(engine: Any, world_size: int) -> tuple[str | None, int | None]:
     config = getattr(engine, "parallelism_config", None)
     if config is None:
         return None, None
-    from trainer_ext.job.parallel import data_parallel_ranks, mesh_text
+    from trainer_ext.distributed.mesh.setup import describe
 
     if config.total_size != world_size:  # all sizes 1 on several processes: plain data parallelism
         return f"dp_replicate {world_size}", world_size
-    return mesh_text(config), data_parallel_ranks(config)
+    return describe(config), config.total_size // config.non_data_parallel_size
 
 
 class RunSummaryCallback(TrainerCallback):

@@ -209,7 +209,8 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
     }
     mesh = ""
     if config is not None:
-        from trainer_ext.job.parallel import data_parallel_ranks, mesh_text
+        from trainer_ext.distributed.mesh.setup import describe as mesh_text
+        from trainer_ext.job.parallel import data_parallel_ranks
 
         ranks = data_parallel_ranks(config)
         mesh = f"{mesh_text(config)} ({ranks} data-parallel rank{'s' * (ranks > 1)})"

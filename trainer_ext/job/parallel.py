@@ -37,14 +37,6 @@ def fitted(config: ParallelismConfig | None, world_size: int) -> ParallelismConf
     return copy
 
 
-def mesh_text(config: ParallelismConfig) -> str:
-    """The mesh as ``dp_shard 2 x tp 2`` (enabled dimensions, outermost first); ``one process`` without any."""
-    dims = config._get_mesh()
-    if not dims:
-        return "one process"
-    return " x ".join(f"{name} {size}" for name, size in zip(*dims, strict=True))
-
-
 def data_parallel_ranks(config: ParallelismConfig) -> int:
     """Ranks that see different batches: the world over the ranks that share one (tensor × context × sequence)."""
     return config.total_size // config.non_data_parallel_size

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from trainer_ext import env_vars
 from trainer_ext.cli.launch.handoff import train_sources
+from trainer_ext.distributed.mesh.setup import describe as mesh_text
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.parallel import (
     LAUNCH_SIZES,
     TRAIN_SIZES,
     data_parallel_ranks,
     fitted,
-    mesh_text,
     parallelism_from_sizes,
 )
 
