@@ -89,6 +89,7 @@ def compare(arch: str, mesh, dtype: torch.dtype, steps: int) -> dict:
         tp_opt.zero_grad()
     seen["weights"] = _max_diff(dict(sharded.named_parameters()), dict(reference.named_parameters()))
     seen["stock_clip"] = _stock_clip(sharded, batch)
+    seen["all_dtensors"] = all(isinstance(p, DTensor) for p in sharded.parameters())
     seen["taken_as_is"] = apply_tensor_parallel(sharded, mesh) is sharded and n_dtensors == sum(
         isinstance(p, DTensor) for p in sharded.parameters()
     )
@@ -118,7 +119,7 @@ def refusals(mesh) -> dict[str, str]:
 
 
 def _stock_clip(model: torch.nn.Module, batch: torch.Tensor) -> str:
-    """What torch's own ``clip_grad_norm_`` does with this model's mix of plain tensors and DTensors."""
+    """What torch's own ``clip_grad_norm_`` does with the sharded model (every parameter a DTensor, so it works)."""
     model(input_ids=batch, labels=batch).loss.backward()
     try:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)

@@ -29,11 +29,11 @@ def _seen(out: Path) -> list[dict]:
 def test_float32_step_matches_one_process(tmp_path: Path) -> None:
     run_ranks(JOB, 4, str(tmp_path), "float32", "1", FSDP_TP, HSDP, REPLICATE)
     for seen in _seen(tmp_path):
-        # q_proj sharded by FSDP on dp_shard_cp and by TP on tp; the norm (replicated by TP) by FSDP alone
+        # q_proj sharded by FSDP on dp_shard_cp and by TP on tp; the norm replicated over tp, sharded by FSDP
         assert seen[FSDP_TP]["layout"] == {
             "fsdp_units": 3,
             "q_proj": [["dp_shard_cp", "tp"], ["_S(0, 2)", "S(0)"]],
-            "norm": [["dp_shard_cp"], ["S(0)"]],
+            "norm": [["dp_shard_cp", "tp"], ["S(0)", "R"]],
         }
         # HSDP: replicated over dp_replicate, sharded over dp_shard_cp
         assert seen[HSDP]["layout"] == {

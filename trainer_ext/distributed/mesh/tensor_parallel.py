@@ -103,12 +103,16 @@ def _pattern(key: str) -> str:
     return r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
 
 
-def check_divisible(model: nn.Module, resolved: dict[str, str], tp_size: int) -> None:
-    """Refuse, before any sharding, a configuration size or a module width the tp ranks cannot split evenly."""
+def check_divisible(
+    model: nn.Module, resolved: dict[str, str], tp_size: int, *, planned: dict[str, str] | None = None
+) -> None:
+    """Refuse, before any sharding, a configuration size or a module width the tp ranks cannot split evenly;
+    ``planned`` (default ``resolved``) names the modules as the model's plan does, for the configuration sizes."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    leaves = {name.rsplit(".", 1)[-1] for name, style in resolved.items() if style != "replicate"}
+    planned = resolved if planned is None else planned
+    leaves = {name.rsplit(".", 1)[-1] for name, style in planned.items() if style != "replicate"}
     for field, users in SPLIT_SIZES:
         size = getattr(config, field, None)
         if field == "num_key_value_heads" and size is None:
@@ -176,20 +180,98 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     tp_size = tp_mesh.size()
     if tp_size == 1 or is_tensor_parallel(model):
         return model
+    # a PEFT model: the plan names the base model's modules (the same objects, under its own names)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     own = plan is None
-    plan = model_tp_plan(model) if own else dict(plan)
+    plan = model_tp_plan(base) if own else dict(plan)
     if not plan:
         raise ConfigError(
-            f"{type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan is empty): "
+            f"{type(base).__name__} has no tensor-parallel plan (config.base_model_tp_plan is empty): "
             f"pass a plan dict, or leave tp_size at 1"
         )
-    resolved = resolve_plan(model, plan, strict=not own)
-    check_divisible(model, resolved, tp_size)
-    ties = _tied_parameters(model, resolved)
+    planned = resolve_plan(base, plan, strict=not own)
+    resolved = with_adapters(base, planned)
+    check_divisible(base, resolved, tp_size, planned=planned)
+    ties = _tied_parameters(base, resolved)
     styles = {name: s for name, style in resolved.items() if (s := torch_style(style)) is not None}
-    parallelize_module(model, tp_mesh, styles)
-    _retie(model, ties)
+    parallelize_module(base, tp_mesh, styles)
+    _retie(base, ties)
+    replicate_rest(base, tp_mesh)
     return model
+
+
+def replicate_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make the parameters the plan left plain (norms, LoRA's unsplit factors) replicated DTensors on ``tp_mesh``,
+    their modules taking and giving plain tensors: every parameter is then a DTensor, which foreach/fused optimizers
+    and gradient clipping need (they refuse lists mixing tensors and DTensors). Leaf modules only."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for module in model.modules():
+        own = [(name, p) for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own or next(module.children(), None) is not None:
+            continue
+        for name, param in own:
+            replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(_inputs_to_dtensor(tp_mesh), with_kwargs=True)
+        module.register_forward_hook(_outputs_to_local)
+
+
+def _inputs_to_dtensor(tp_mesh: DeviceMesh) -> Any:
+    from torch import Tensor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+        return value
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _outputs_to_local(_: nn.Module, __: Any, output: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.to_local()
+    if isinstance(output, tuple | list):
+        return type(output)(o.to_local() if isinstance(o, DTensor) else o for o in output)
+    return output
+
+
+def with_adapters(model: nn.Module, resolved: dict[str, str]) -> dict[str, str]:
+    """The plan with each LoRA-wrapped module (PEFT's ``base_layer`` + ``lora_A``/``lora_B``) split into its parts:
+    the base layer takes the style; a column-split one's ``lora_B`` splits its output the same way, a row-split
+    one's ``lora_A`` its input (the other factor, of rank r, stays whole on every rank)."""
+    from torch import nn
+
+    out: dict[str, str] = {}
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, nn.Module) or style == "replicate":
+            out[name] = style
+            continue
+        factors = {part: getattr(module, part, None) for part in ("lora_A", "lora_B")}
+        magnitude = getattr(module, "lora_magnitude_vector", None)
+        if (
+            STYLES[style][3] != "linear"
+            or not all(isinstance(f, nn.ModuleDict) for f in factors.values())
+            or magnitude
+        ):
+            raise ConfigError(
+                f"{name} carries an adapter ({type(module).__name__}) that tensor parallelism cannot split: "
+                "LoRA on Linear layers is supported (no DoRA, no embeddings); leave this module out of "
+                "target_modules, or tp_size at 1"
+            )
+        out[f"{name}.base_layer"] = style
+        split = "lora_B" if STYLES[style][0] == "colwise" else "lora_A"
+        out.update({f"{name}.{split}.{key}": style for key in factors[split]})
+    return out
 
 
 def _tied_parameters(model: nn.Module, resolved: dict[str, str]) -> list[list[str]]:
