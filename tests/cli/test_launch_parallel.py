@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from trainer_ext.cli.launch.config_file import read_config_file
 from trainer_ext.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
+ZERO2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
 CAUSAL = ["train", "--task", "causal-lm"]  # the tiny-llama preset: 4 heads, 2 KV heads, intermediate 128
 
 
@@ -25,15 +27,17 @@ def script(tmp_path: Path) -> str:
     return str(path)
 
 
-def launch_cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``trainer-ext launch`` as a user runs it: a real process."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainer_ext", "launch", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd or ROOT,
-    )
+def launch_cli(*argv: str) -> subprocess.CompletedProcess:
+    """``trainer-ext launch`` as a user runs it: a real process, in a fresh folder (a launch that was not refused
+    writes its run there, not into the repository)."""
+    with tempfile.TemporaryDirectory() as folder:
+        return subprocess.run(
+            [sys.executable, "-m", "trainer_ext", "launch", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=folder,
+        )
 
 
 def one_problem(proc: subprocess.CompletedProcess) -> str:
@@ -144,12 +148,12 @@ def test_the_dry_run_of_a_real_cli_shows_the_mesh():
             "make the sizes multiply to 4, or launch 2 processes",
         ),
         (
-            ["--num_processes", "2", "--tp_size", "2", "--deepspeed", "configs/deepspeed/zero2.json", *CAUSAL],
+            ["--num_processes", "2", "--tp_size", "2", "--deepspeed", ZERO2, *CAUSAL],
             "tp_size 2 (tp_size from command line --tp_size) with DeepSpeed: tensor parallelism runs on FSDP2 or "
             "alone; drop --deepspeed (use --dp_shard_size to shard the rest) or set tp_size 1",
         ),
         (
-            ["--num_processes", "2", "--tp_size", "2", *CAUSAL, "--deepspeed", "configs/deepspeed/zero2.json"],
+            ["--num_processes", "2", "--tp_size", "2", *CAUSAL, "--deepspeed", ZERO2],
             "with DeepSpeed: tensor parallelism runs on FSDP2 or alone",
         ),
         (
