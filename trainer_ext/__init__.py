@@ -32,6 +32,8 @@ _EXPORTS = {
     "DummyOptim": "trainer_ext.distributed.strategies.deepspeed.plugin",
     "DummyScheduler": "trainer_ext.distributed.strategies.deepspeed.plugin",
     "FullyShardedDataParallelPlugin": "trainer_ext.distributed.strategies.fsdp.plugin",
+    "ParallelismConfig": "trainer_ext.distributed.mesh.config",
+    "TorchTensorParallelConfig": "trainer_ext.distributed.mesh.config",
     "LocalSGD": "trainer_ext.accelerator.local_sgd",
     "find_executable_batch_size": "trainer_ext.accelerator.loop_helpers",
     "set_seed": "trainer_ext.accelerator.loop_helpers",
