@@ -175,10 +175,6 @@ class FSDPStrategy(Strategy):
         if self.parallel is not None and self.parallelism.tp_enabled:
             plan = getattr(self.parallelism.tp_handler, "tp_plan", None)
             apply_tensor_parallel(model, self.parallel["tp"], plan)
-        mesh = self.mesh()
-        if mesh is None:  # tensor parallelism alone: nothing left to shard
-            self._remember(before, model)
-            return model
         targets = self.wrap_targets(model)
         if self.settings.activation_checkpointing:
             if not targets:
@@ -188,6 +184,10 @@ class FSDPStrategy(Strategy):
                 )
             for module in targets:
                 checkpoint_forward(module)
+        mesh = self.mesh()
+        if mesh is None:  # tensor parallelism alone: nothing left to shard
+            self._remember(before, model)
+            return model
         kwargs: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": self.settings.reshard_after_forward,
