@@ -19,7 +19,8 @@ from tests.helpers.ranks import run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 JOB = "tests.distributed.tensor_parallel_job"
-ARCHS = ("llama", "qwen2", "llama+tied")
+# qwen3: its q_norm/k_norm read head-split activations ("replicated_with_grad_allreduce"): gradients summed over tp
+ARCHS = ("llama", "qwen2", "qwen3", "llama+tied")
 
 
 def _seen(out: Path) -> list[dict]:
@@ -57,9 +58,9 @@ def test_float32_step_matches_one_process_and_refusals(tmp_path: Path) -> None:
 
 
 def test_float64_adamw_steps_keep_the_weights(tmp_path: Path) -> None:
-    run_ranks(JOB, 2, str(tmp_path), "float64", "5", "llama", "qwen2")
+    run_ranks(JOB, 2, str(tmp_path), "float64", "5", "llama", "qwen2", "qwen3")
     for seen in _seen(tmp_path):
-        for arch in ("llama", "qwen2"):
+        for arch in ("llama", "qwen2", "qwen3"):
             got = seen[arch]
             # the asked tolerances are 1e-6 (loss, norm) and 1e-5 (gradients, weights); float64 reaches ~1e-15
             assert max(got[k] for k in ("loss", "norm", "inf_norm", "clipped", "grad", "weights")) <= 1e-10, got

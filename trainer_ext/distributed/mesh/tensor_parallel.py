@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+GRAD_SUMMED = "replicated_with_grad_allreduce"
 # transformers' style name -> (torch style, its input layout, its output layout, the kind of module it shards)
 #   colwise: the output features split over the ranks, the output left sharded (the next rowwise takes it)
 #   colwise_rep / colwise_gather_output: the same weights, the output gathered whole (a model's lm_head)
@@ -29,6 +30,8 @@ STYLES: dict[str, tuple[str, str, str, str]] = {
     "embedding_rowwise": ("rowwise", "replicate", "replicate", "embedding"),
     "embedding_colwise": ("colwise", "replicate", "replicate", "embedding"),
     "replicate": ("", "", "", "any"),
+    # whole on every rank, fed a head-split activation (a Qwen3/Gemma3 q_norm): its gradient is summed over tp
+    GRAD_SUMMED: ("", "", "", "any"),
 }
 
 # configuration sizes that the plan splits over the tp ranks, and the plan entries that split them
@@ -196,35 +199,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     styles = {name: s for name, style in resolved.items() if (s := torch_style(style)) is not None}
     parallelize_module(base, tp_mesh, styles)
     _retie(base, ties)
-    replicate_rest(base, tp_mesh)
+    replicate_rest(base, tp_mesh, split_inputs={name for name, style in resolved.items() if style == GRAD_SUMMED})
     return model
 
 
-def replicate_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_rest(model: nn.Module, tp_mesh: DeviceMesh, split_inputs: set[str] = frozenset()) -> None:
     """Make the parameters the plan left plain (norms, LoRA's unsplit factors) replicated DTensors on ``tp_mesh``,
     their modules taking and giving plain tensors: every parameter is then a DTensor, which foreach/fused optimizers
-    and gradient clipping need (they refuse lists mixing tensors and DTensors). Leaf modules only."""
+    and gradient clipping need (they refuse lists mixing tensors and DTensors). Leaf modules only. The modules named
+    in ``split_inputs`` read activations split by heads (dimension -2): their gradients are summed over the ranks."""
     from torch import nn
     from torch.distributed.tensor import DTensor, Replicate
 
-    for module in model.modules():
-        own = [(name, p) for name, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+    for name, module in model.named_modules():
+        own = [(key, p) for key, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
         if not own or next(module.children(), None) is not None:
             continue
-        for name, param in own:
+        for key, param in own:
             replicated = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(_inputs_to_dtensor(tp_mesh), with_kwargs=True)
+            module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(_inputs_to_dtensor(tp_mesh, split=name in split_inputs), with_kwargs=True)
         module.register_forward_hook(_outputs_to_local)
 
 
-def _inputs_to_dtensor(tp_mesh: DeviceMesh) -> Any:
+def _inputs_to_dtensor(tp_mesh: DeviceMesh, *, split: bool) -> Any:
+    """Inputs as DTensors: replicated, or (``split``) sharded on dimension -2, so that the weight's gradient is a
+    partial sum over the ranks, which DTensor adds up."""
     from torch import Tensor
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def convert(value: Any) -> Any:
         if isinstance(value, Tensor) and not isinstance(value, DTensor):
-            return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+            placement = Shard(value.ndim - 2) if split and value.ndim >= 2 else Replicate()
+            return DTensor.from_local(value, tp_mesh, [placement], run_check=False)
         return value
 
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
