@@ -203,7 +203,7 @@ def run_raw(cfg: dict[str, Any], sizes: dict[str, int], steps: int, clock: _Cloc
 
 
 def _parallelism_config(sizes: dict[str, int]) -> Any:
-    from trainer_ext.distributed.mesh.config import ParallelismConfig
+    from trainer_ext import ParallelismConfig
 
     return ParallelismConfig(**sizes) if sizes else None
 
