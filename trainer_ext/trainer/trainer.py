@@ -147,6 +147,11 @@ class Trainer(
             if self.is_world_process_zero():
                 _log_mean_loss_head(type(self.model).__name__, self.args)
 
+    def store_flos(self) -> None:
+        """transformers sums every process's count; the ranks of one tensor-parallel group ran the same batch."""
+        self.current_flos /= self.accelerator.same_batch_size
+        super().store_flos()
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add the count of optimizer steps skipped by the fp16 loss scaler to the training logs."""
         if self.accelerator.scaler is not None and "loss" in logs:
