@@ -92,11 +92,6 @@ def test_fsdp_with_replication_alone(monkeypatch, tmp_path) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer-ext train checks the model's heads against tp_size only when the strategy applies the plan, after "
-    "TrainingArguments initialised the process group (trainer-ext launch checks them before any process)",
-)
 def test_train_refuses_kv_heads_tp_size_does_not_divide_before_the_process_group(tmp_path) -> None:
     """``trainer-ext train --tp_size 4`` as rank 0 of 4 started by torchrun: the tiny Llama preset's 2 KV heads are
     refused by name, exit 2, before the rendezvous (which has no address here)."""

@@ -183,6 +183,10 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         for layer in layers:
             self._fill(**AUTO_DEFAULTS.get(layer, {}))
         self._set_parallelism()
+        if self.parallelism_config is not None:  # the model's heads against tp_size, before any process group
+            from trainer_ext.job.parallel import check_job_model
+
+            check_job_model(vars(self), self.parallelism_config.tp_size)
         super().__post_init__()
 
     def _set_parallelism(self) -> None:

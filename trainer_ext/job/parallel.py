@@ -81,3 +81,34 @@ def check_model_for_tp(config: Any, tp_size: int, source: str, vocab: bool = Fal
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
     values = {**text.to_dict(), "model_type": getattr(config, "model_type", None)}
     check_tp_config(values, plan, tp_size, source, vocab)
+
+
+def check_job_model(values: Mapping[str, Any], tp_size: int) -> list[str]:
+    """:func:`check_model_for_tp` on a train job's model from its flag values (a local pretrained model, a
+    ``--model_config`` or the task's preset), before any process group; notes when its config cannot be read here
+    (a hub id: checked when the model is built)."""
+    import os
+
+    from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS, TASKS
+    from trainer_ext.job.model_limits import load_model_config
+
+    if tp_size <= 1:
+        return []
+    name = values.get("model_name_or_path")
+    if name:
+        if not os.path.exists(os.path.expanduser(name)):
+            return [f"tp_size {tp_size}: the heads of {name!r} are checked when train loads its config"]
+        config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
+        check_model_for_tp(config, tp_size, f"--model_name_or_path {name}", vocab=True)  # train pads no vocabulary
+        return []
+    task = str(values.get("task") or TASKS[0]).strip().lower().replace("_", "-")
+    preset = values.get("model_config") or DEFAULT_PRESET.get(task)
+    if preset is None:
+        return []  # an unknown task: train names it
+    if preset in PRESETS:
+        import transformers
+
+        check_model_for_tp(transformers.AutoConfig.for_model(**PRESETS[preset]), tp_size, f"the preset {preset}")
+    else:
+        check_model_for_tp(load_model_config(preset), tp_size, f"--model_config {preset}")
+    return []

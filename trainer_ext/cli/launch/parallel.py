@@ -11,7 +11,6 @@ not divide, is refused.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -148,33 +147,6 @@ def _train_values(args: Sequence[str]) -> dict[str, Any]:
 def check_train_model(args: Sequence[str], tp_size: int) -> list[str]:
     """ConfigError when the train job's model cannot be split over ``tp_size`` ranks; notes when its config cannot
     be read here (a hub id: checked when the model is built)."""
-    from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS, TASKS
-    from trainer_ext.job.model_limits import load_model_config
+    from trainer_ext.job.parallel import check_job_model
 
-    values = _train_values(args)
-    name = values.get("model_name_or_path")
-    if name:
-        path = os.path.expanduser(name)
-        if not os.path.exists(path):
-            return [f"tp_size {tp_size}: the heads of {name!r} are checked when train loads its config"]
-        config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
-        return _checked(config, tp_size, f"--model_name_or_path {name}", vocab=True)
-    task = str(values.get("task") or TASKS[0]).strip().lower().replace("_", "-")
-    preset = values.get("model_config") or DEFAULT_PRESET.get(task)
-    if preset is None:
-        return []  # an unknown task: train names it
-    if preset in PRESETS:
-        import transformers
-
-        config = transformers.AutoConfig.for_model(**PRESETS[preset])
-        return _checked(config, tp_size, f"the preset {preset}")
-    return _checked(load_model_config(preset), tp_size, f"--model_config {preset}")
-
-
-def _checked(config: Any, tp_size: int, source: str, vocab: bool = False) -> list[str]:
-    """No notes, or the ConfigError of :func:`check_model_for_tp` (``vocab``: a pretrained model's vocabulary,
-    which train does not pad)."""
-    from trainer_ext.job.parallel import check_model_for_tp
-
-    check_model_for_tp(config, tp_size, source, vocab)
-    return []
+    return check_job_model(_train_values(args), tp_size)
