@@ -34,7 +34,7 @@ from trainer_ext.errors import ConfigError
 
 # accelerate arguments that configure its own plugins; ours take plain settings instead
 _PLUGINS = {
-    "torch_tp_plugin": None,
+    "torch_tp_plugin": "parallelism_config=ParallelismConfig(tp_size=...)",
     "megatron_lm_plugin": None,
     "dynamo_plugin": "dynamo_backend=<backend name>",
 }
