@@ -10,7 +10,7 @@ from typing import Any
 
 from trainer_ext.distributed.mesh.config import ParallelismConfig
 from trainer_ext.distributed.mesh.device_mesh import fit_to_world
-from trainer_ext.distributed.mesh.tensor_parallel import SPLIT_SIZES
+from trainer_ext.distributed.mesh.tensor_parallel import check_split_sizes
 from trainer_ext.errors import ConfigError
 
 # the sizes a train job takes as flags; the launcher takes sp_size too (accelerate's key), refused when > 1
@@ -59,18 +59,10 @@ def check_tp_config(
             "(config.base_model_tp_plan is empty); set tp_size 1, or train a model that has one (llama, qwen2, "
             "mistral, ...)"
         )
-    leaves = {key.rsplit(".", 1)[-1] for key, style in tp_plan.items() if style != "replicate"}
-    splits = [*SPLIT_SIZES, ("vocab_size", ("embed_tokens",))] if vocab else SPLIT_SIZES
-    leaves.add("embed_tokens")  # transformers adds it to every plan of a model with input embeddings
-    for field, users in splits:
-        size = values.get(field)
-        if field == "num_key_value_heads" and size is None:
-            size = values.get("num_attention_heads")
-        if isinstance(size, int) and leaves.intersection(users) and size % tp_size:
-            raise ConfigError(
-                f"tensor parallelism over {tp_size} ranks needs {field} ({size}) of {source} divisible by "
-                f"{tp_size}: choose a tp_size that divides {size}"
-            )
+    # transformers adds embed_tokens (split by vocabulary rows) to every plan of a model with input embeddings
+    plan = {**tp_plan, "embed_tokens": "embedding_rowwise"}
+    extra = (("vocab_size", ("embed_tokens",)),) if vocab else ()
+    check_split_sizes(values, plan, tp_size, where=f" of {source}", extra=extra)
 
 
 def check_model_for_tp(config: Any, tp_size: int, source: str, vocab: bool = False) -> None:

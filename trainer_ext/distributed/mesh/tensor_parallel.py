@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer_ext.errors import ConfigError
@@ -106,6 +107,30 @@ def _pattern(key: str) -> str:
     return r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
 
 
+def check_split_sizes(
+    values: Mapping[str, Any] | Any,
+    plan: Mapping[str, str],
+    tp_size: int,
+    *,
+    where: str = "",
+    extra: tuple[tuple[str, tuple[str, ...]], ...] = (),
+) -> None:
+    """Refuse a configuration size (heads, key/value heads, intermediate size; ``extra`` ones too) that the modules
+    ``plan`` splits cannot divide over ``tp_size`` ranks. ``values``: a config object or a dict of its fields;
+    ``where`` follows the size in the message (e.g. `` of the preset tiny-llama``)."""
+    read = values.get if isinstance(values, Mapping) else lambda name: getattr(values, name, None)
+    leaves = {name.rsplit(".", 1)[-1] for name, style in plan.items() if style not in ("replicate", GRAD_SUMMED)}
+    for field, users in (*SPLIT_SIZES, *extra):
+        size = read(field)
+        if field == "num_key_value_heads" and size is None:
+            size = read("num_attention_heads")
+        if isinstance(size, int) and leaves.intersection(users) and size % tp_size:
+            raise ConfigError(
+                f"tensor parallelism over {tp_size} ranks needs {field} ({size}){where} divisible by {tp_size}: "
+                f"choose a tp_size that divides {size}"
+            )
+
+
 def check_divisible(
     model: nn.Module, resolved: dict[str, str], tp_size: int, *, planned: dict[str, str] | None = None
 ) -> None:
@@ -114,17 +139,7 @@ def check_divisible(
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    planned = resolved if planned is None else planned
-    leaves = {name.rsplit(".", 1)[-1] for name, style in planned.items() if style != "replicate"}
-    for field, users in SPLIT_SIZES:
-        size = getattr(config, field, None)
-        if field == "num_key_value_heads" and size is None:
-            size = getattr(config, "num_attention_heads", None)
-        if isinstance(size, int) and leaves.intersection(users) and size % tp_size:
-            raise ConfigError(
-                f"tensor parallelism over {tp_size} ranks needs {field} ({size}) divisible by {tp_size}: "
-                f"choose a tp_size that divides {size}"
-            )
+    check_split_sizes(config, resolved if planned is None else planned, tp_size)
     modules = dict(model.named_modules())
     for name, style in resolved.items():
         torch_style, _, _, kind = STYLES[style]
