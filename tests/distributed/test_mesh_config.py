@@ -21,11 +21,11 @@ def _no_parallelism_variables(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_defaults_are_one_process_with_accelerate_backends() -> None:
+def test_defaults_are_one_process_with_our_cp_backend_choice() -> None:
     pc = ParallelismConfig()
     sizes = (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size, pc.sp_size)
     assert sizes == (1, 1, 1, 1, 1)
-    assert (pc.cp_backend, pc.sp_backend) == ("torch", "deepspeed")
+    assert (pc.cp_backend, pc.sp_backend) == ("auto", "deepspeed")  # accelerate's cp default, "torch", runs CUDA only
     assert (pc.tp_handler, pc.cp_handler, pc.sp_handler, pc.device_mesh) == (None, None, None, None)
     assert (pc.total_size, pc.data_parallel_size, pc.non_data_parallel_size) == (1, 1, 1)
     assert pc.active_mesh_dims == [] and pc._get_mesh() == ()
@@ -164,15 +164,28 @@ def test_tensor_parallelism_composes_with_hsdp() -> None:
     assert ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2).total_size == 8
 
 
-@pytest.mark.parametrize(("name", "kind"), [("cp_size", "context"), ("sp_size", "sequence")])
-def test_context_and_sequence_parallelism_are_not_supported_yet(
-    monkeypatch: pytest.MonkeyPatch, name: str, kind: str
-) -> None:
-    with pytest.raises(ConfigError, match=f"^ParallelismConfig {name}=2: {kind} parallelism is not supported yet"):
-        ParallelismConfig(dp_shard_size=2, **{name: 2})
-    monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", "2")
+def test_sequence_parallelism_is_not_supported_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(
+        ConfigError, match="^ParallelismConfig sp_size=2: sequence .* is not supported yet; set sp_size=1"
+    ):
+        ParallelismConfig(dp_shard_size=2, sp_size=2)
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
     with pytest.raises(ConfigError, match="not supported yet"):
         ParallelismConfig()
+
+
+def test_context_parallelism_sizes_and_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    assert (pc.total_size, pc.non_data_parallel_size, pc.data_parallel_size) == (4, 2, 2)
+    assert pc.dp_shard_cp_dim_names == ["dp_shard", "cp"] and pc.splits_model
+    assert ParallelismConfig(cp_size=2).splits_model and not ParallelismConfig(dp_replicate_size=2).splits_model
+    for backend in ("auto", "torch", "all_gather"):
+        assert ParallelismConfig(cp_size=2, cp_backend=backend).cp_backend == backend
+    with pytest.raises(ConfigError, match="cp_backend='ring' is unknown: choose 'auto' or 'torch' or 'all_gather'"):
+        ParallelismConfig(cp_size=2, cp_backend="ring")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_BACKEND", "all_gather")
+    assert (ParallelismConfig().cp_size, ParallelismConfig().cp_backend) == (2, "all_gather")
 
 
 def test_async_tensor_parallelism_is_ignored_with_a_warning() -> None:

@@ -63,15 +63,12 @@ def test_sizes_that_do_not_multiply_to_the_world(monkeypatch, tmp_path, sizes) -
     refused(lambda: Accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes)), *parts)
 
 
-def test_context_parallelism(monkeypatch, tmp_path) -> None:
-    world(monkeypatch, 4)
-    refused(
-        lambda: args(tmp_path, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2)),
-        "cp_size=2",
-        "not supported",
-        "set cp_size=1",
-    )
-    refused(lambda: Accelerator(cpu=True, parallelism_config={"dp_shard_size": 2, "cp_size": 2}), "cp_size=2")
+def test_context_parallelism_with_deepspeed_or_forced_torch_backend_on_cpu(monkeypatch, tmp_path) -> None:
+    world(monkeypatch, 2)
+    cp2 = ParallelismConfig(cp_size=2)
+    refused(lambda: args(tmp_path, deepspeed=DEEPSPEED, parallelism_config=cp2), "DeepSpeed", "cp_size=2")
+    forced = {"cp_size": 2, "cp_backend": "torch"}
+    refused(lambda: Accelerator(cpu=True, parallelism_config=forced), "cp_backend='torch'", "'all_gather'")
 
 
 def test_tensor_parallelism_with_deepspeed(monkeypatch, tmp_path) -> None:

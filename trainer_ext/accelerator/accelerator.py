@@ -405,13 +405,16 @@ class Accelerator:
     # ranks along parallel dimensions: the mesh's, or accelerate's answers where the dimension is not configured
     tensor_parallel_rank = mesh_rank("tensor_parallel_rank", "tp")
     pipeline_parallel_rank = unconfigured("pipeline_parallel_rank")
-    context_parallel_rank = unconfigured("context_parallel_rank")
+    context_parallel_rank = mesh_rank("context_parallel_rank", "cp")
     data_parallel_rank = mesh_rank("data_parallel_rank", "dp_replicate")
     data_parallel_shard_rank = mesh_rank("data_parallel_shard_rank", "dp_shard")
 
-    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
-        """Context parallelism is not configured here: a plain block (accelerate's answer without it)."""
-        return contextlib.nullcontext()
+    def maybe_context_parallel(
+        self, buffers: Any = None, buffer_seq_dims: Any = None, no_restore_buffers: Any = None
+    ) -> Any:
+        """Under ``cp_size > 1``: shard ``buffers`` in place along ``buffer_seq_dims`` for this rank and run the block
+        with context-parallel attention (buffers not in ``no_restore_buffers`` come back after); else a plain block."""
+        return self.engine.maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers)
 
     # -- trackers --------------------------------------------------------------------------------
     @property

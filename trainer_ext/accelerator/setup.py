@@ -211,7 +211,7 @@ def build_engine(
     init = init_handler.to_kwargs() if init_handler is not None else {}
     parallelism = mesh_setup.as_parallelism_config(a["parallelism_config"])
     world_size = detect_topology().world_size
-    mesh_setup.check_parallelism(parallelism, world_size)
+    mesh_setup.check_parallelism(parallelism, world_size, cpu=bool(a["cpu"]))
     deepspeed_config = a["deepspeed_config"]
     if a["deepspeed_plugin"] is None and a["deepspeed_plugins"] is None and deepspeed_config is None:
         deepspeed_config = launched_deepspeed_config(a["fsdp_config"] is not None or a["fsdp_plugin"] is not None)

@@ -20,7 +20,9 @@ from trainer_ext.distributed import collectives
 from trainer_ext.distributed.accumulation import GradientState
 from trainer_ext.distributed.data.loader import shard_dataloader
 from trainer_ext.distributed.engine_names import AccelerateNames
+from trainer_ext.distributed.mesh import cp_attention, cp_model
 from trainer_ext.distributed.mesh import setup as mesh_setup
+from trainer_ext.distributed.mesh.context_parallel import context_parallel, resolve_backend
 from trainer_ext.distributed.mesh.device_mesh import build_parallel_mesh
 from trainer_ext.distributed.optimizer import EngineOptimizer, OptimizerPlaceholder
 from trainer_ext.distributed.precision import Precision
@@ -62,6 +64,10 @@ class Engine(AccelerateNames):
         # accelerate's names: the configuration (its sizes are what transformers' Trainer reads) and the N-D mesh
         self.parallelism_config = config
         self.parallel_mesh = None
+        # the context-parallel attention this device runs (None without cp): torch's ring attention or ours
+        self.cp_backend = (
+            resolve_backend(config.cp_backend, state.device.type) if config and config.cp_enabled else None
+        )
         if config is not None:
             self.parallel_mesh = build_parallel_mesh(config, state.device.type, state.num_processes)
             config.device_mesh = None if self.parallel_mesh is None else self.parallel_mesh.mesh
@@ -232,6 +238,9 @@ class Engine(AccelerateNames):
         if device_placement and not _placed_by_user(model):
             model = model.to(self.device)
         inner = self.strategy.unwrap(model)
+        if self.cp_backend is not None:  # refused before any step when cp would train it wrongly
+            cp_model.check_model(inner, self.parallelism_config.cp_size)
+            cp_attention.adopt(inner)
         if not evaluation_mode:
             self.precision.prepare_for_training(inner)
         self.precision.patch_forward(inner)
@@ -324,6 +333,20 @@ class Engine(AccelerateNames):
         """Unscale fp16 gradients, then clip; returns the total norm before clipping."""
         self.unscale_gradients()
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """accelerate's context manager: under context parallelism, shard ``buffers`` in place along their sequence
+        dimensions for this ``cp`` rank and run the block with context-parallel attention; a no-op without cp."""
+        if self.cp_backend is None:
+            return contextlib.nullcontext()
+        return context_parallel(
+            self.parallel_mesh["cp"], buffers, buffer_seq_dims, no_restore_buffers, backend=self.cp_backend
+        )
 
     # -- models ---------------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool = True) -> torch.nn.Module:

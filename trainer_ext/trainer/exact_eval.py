@@ -130,8 +130,9 @@ class ExactEvalLossMixin:
             return loss * units
         # compute_loss divided the sum by num_items_in_batch, then multiplied by the processes when those items
         # were counted over all of them (average_tokens_across_devices)
-        # (over the processes that see different batches: transformers' num_processes // tp_size)
-        scale = self.accelerator.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
+        # (over the processes that see different batches: num_processes // (tp × cp); a cp rank's loss is the sum
+        # of its group's slices by then, see trainer.context_parallel)
+        scale = self.accelerator.num_data_parallel_processes if self.args.average_tokens_across_devices else 1
         return loss * items / scale
 
     def _add_exact_eval(self, model: Any, inputs: Any, loss: torch.Tensor) -> None:

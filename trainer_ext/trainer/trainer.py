@@ -25,6 +25,7 @@ from trainer_ext.errors import ConfigError
 from trainer_ext.trainer import compat as _compat
 from trainer_ext.trainer.auto_batch import AutoBatchMixin
 from trainer_ext.trainer.checkpoints import CheckpointingMixin
+from trainer_ext.trainer.context_parallel import ContextParallelMixin
 from trainer_ext.trainer.exact_eval import ExactEvalLossMixin
 from trainer_ext.trainer.foreign_accelerate import align_accelerate_state
 from trainer_ext.trainer.lean_step import LeanStepMixin
@@ -108,7 +109,13 @@ def _log_mean_loss_head(model: str, args: TrainingArguments) -> None:
 
 
 class Trainer(
-    ExactEvalLossMixin, AutoBatchMixin, LeanStepMixin, ShardedCheckpointMixin, CheckpointingMixin, transformers.Trainer
+    ExactEvalLossMixin,
+    ContextParallelMixin,  # after exact eval: it reads the loss summed over the cp ranks
+    AutoBatchMixin,
+    LeanStepMixin,
+    ShardedCheckpointMixin,
+    CheckpointingMixin,
+    transformers.Trainer,
 ):
     """Drop-in replacement for ``transformers.Trainer`` that needs no accelerate."""
 
@@ -119,6 +126,7 @@ class Trainer(
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # transformers' default for a Trainer without args
         super().__init__(model=model, args=args, **kwargs)
+        self._check_context_parallel_support()
         self._fix_loss_kwargs_detection()
         # the engine's duties run after the user's callbacks but are not listed among them (drop-in: a script sees
         # transformers' callback list); a user's own instance of one, listed, takes its place

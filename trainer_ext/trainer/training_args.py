@@ -239,7 +239,7 @@ class TrainingArguments(transformers.TrainingArguments):
         self.parallelism_config = config
         if config is None:
             return
-        mesh_setup.check_parallelism(config, detect_topology().world_size)
+        mesh_setup.check_parallelism(config, detect_topology().world_size, cpu=bool(self.use_cpu))
         if self.deepspeed:
             STRATEGIES["deepspeed"].check_parallelism(config)
         elif fsdp_requested(self.fsdp) or mesh_setup.shards_by_mesh(config):

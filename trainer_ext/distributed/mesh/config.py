@@ -1,8 +1,9 @@
 """accelerate's ``ParallelismConfig``: the sizes of the data-replicate, data-shard, context, sequence and tensor
 parallel dimensions, with accelerate's field names, defaults, properties and ``PARALLELISM_CONFIG_*`` variables.
 
-Our differences, on purpose: it is valid on CPU/gloo as on GPUs; bad input is one ``ConfigError`` line; context and
-sequence parallelism (``cp_size``/``sp_size`` > 1) are refused until they are implemented; ``to_json`` returns the
+Our differences, on purpose: it is valid on CPU/gloo as on GPUs; bad input is one ``ConfigError`` line; ``cp_backend``
+chooses among ``auto`` (default), ``torch`` and ``all_gather``; sequence parallelism (``sp_size`` > 1) is refused until it
+is implemented; ``to_json`` returns the
 fields (accelerate's returns None); the dimension sizes are read from the fields, so a size set after construction
 (as transformers' Trainer does) is the size every property and the mesh see. Imports no torch.
 """
@@ -21,7 +22,7 @@ ENV_PREFIX = "PARALLELISM_CONFIG_"
 # accelerate's order of the mesh's dimensions, outermost first: tensor parallel ranks are neighbours
 MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
-CP_BACKENDS = ("torch",)
+CP_BACKENDS = ("auto", "torch", "all_gather")  # ours: auto picks torch on CUDA, all_gather elsewhere
 SP_BACKENDS = ("deepspeed",)
 
 
@@ -76,7 +77,8 @@ def _backend(field_name: str, value: Any, valid: tuple[str, ...]) -> str:
     if value is None:
         value = os.environ.get(_env_name(field_name), valid[0])
     if value not in valid:
-        raise ConfigError(f"ParallelismConfig {field_name}={value!r} is unknown: the only choice is {valid[0]!r}")
+        choices = " or ".join(repr(choice) for choice in valid)
+        raise ConfigError(f"ParallelismConfig {field_name}={value!r} is unknown: choose {choices}")
     return value
 
 
@@ -117,14 +119,11 @@ class ParallelismConfig:
                 f"tp_size={self.tp_size}, cp_size={self.cp_size}: tensor/context parallelism does not compose with "
                 "pure replication; shard instead (dp_shard_size > 1, with dp_replicate_size > 1 for HSDP)"
             )
-        for name in ("cp", "sp"):
-            size = getattr(self, f"{name}_size")
-            if size > 1:
-                kind = "context" if name == "cp" else "sequence"
-                raise ConfigError(
-                    f"ParallelismConfig {name}_size={size}: {kind} parallelism is not supported yet; "
-                    f"set {name}_size=1 (use dp_shard_size or tp_size to spread the model)"
-                )
+        if self.sp_size > 1:
+            raise ConfigError(
+                f"ParallelismConfig sp_size={self.sp_size}: sequence (Ulysses) parallelism is not supported yet; "
+                "set sp_size=1 and use cp_size to split long sequences"
+            )
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
 
@@ -155,6 +154,11 @@ class ParallelismConfig:
     def data_parallel_size(self) -> int:
         """Ranks that see different batches: replicate × shard sizes."""
         return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def splits_model(self) -> bool:
+        """True when the layout shards the model or its sequences (dp_shard, tp or cp > 1): FSDP2's job (ours)."""
+        return self.dp_shard_size > 1 or self.tp_size > 1 or self.cp_size > 1
 
     @property
     def dp_replicate_enabled(self) -> bool:

@@ -42,15 +42,23 @@ def as_parallelism_config(value: Any, *, from_launch: bool = True) -> Parallelis
     )
 
 
-def check_parallelism(config: ParallelismConfig | None, world_size: int) -> None:
-    """The sizes against the job's processes (accelerate's rule: all sizes 1 on several processes replicates)."""
+def check_parallelism(config: ParallelismConfig | None, world_size: int, cpu: bool = False) -> None:
+    """The sizes against the job's processes (accelerate's rule: all sizes 1 on several processes replicates), and a
+    context-parallel backend against the device the job will run on (CUDA unless ``cpu`` or none is present)."""
     if config is not None:
         fit_to_world(config, world_size)
+        if config.cp_enabled:
+            import torch
+
+            from trainer_ext.distributed.mesh.context_parallel import resolve_backend
+
+            resolve_backend(config.cp_backend, "cpu" if cpu or not torch.cuda.is_available() else "cuda")
 
 
 def shards_by_mesh(config: ParallelismConfig | None) -> bool:
-    """True when the configuration splits the model (data sharding or tensor parallelism), not only the data."""
-    return config is not None and (config.dp_shard_enabled or config.tp_enabled)
+    """True when the configuration splits the model or its sequences (data sharding, tensor or context parallelism),
+    not only the data."""
+    return config is not None and config.splits_model
 
 
 def describe(config: ParallelismConfig) -> str:

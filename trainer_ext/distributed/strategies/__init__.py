@@ -26,7 +26,7 @@ def strategy_for(name: str | None, parallelism: ParallelismConfig | None, world_
     """The strategy class ``name`` names (default: ``fsdp`` when ``parallelism`` splits the model over a mesh, else
     ``ddp`` for several processes, else ``single``), checked to take ``parallelism``'s layout (no group needed)."""
     if name is None:
-        if parallelism is not None and (parallelism.dp_shard_enabled or parallelism.tp_enabled):
+        if parallelism is not None and parallelism.splits_model:
             name = "fsdp"
         else:
             name = "ddp" if world_size > 1 else "single"

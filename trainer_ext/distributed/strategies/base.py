@@ -65,10 +65,11 @@ class Strategy:
     @classmethod
     def check_parallelism(cls, config: ParallelismConfig) -> None:
         """ConfigError when this backend cannot run ``config``'s layout: here, anything but data replication."""
-        if config.dp_shard_enabled or config.tp_enabled:
+        if config.splits_model:
             raise ConfigError(
                 f"{cls.title} does not shard the model over a device mesh, and this parallelism_config asks for "
-                f"dp_shard_size={config.dp_shard_size}, tp_size={config.tp_size}: train with FSDP2 (the default for "
+                f"dp_shard_size={config.dp_shard_size}, tp_size={config.tp_size}, cp_size={config.cp_size}: train "
+                "with FSDP2 (the default for "
                 "such a config; --fsdp), or set those sizes to 1"
             )
 

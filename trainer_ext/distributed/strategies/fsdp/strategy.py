@@ -105,7 +105,7 @@ class FSDPStrategy(Strategy):
     @classmethod
     def check_parallelism(cls, config: ParallelismConfig) -> None:
         """Any layout of the mesh but replication alone, which has nothing for FSDP to shard."""
-        if config.dp_replicate_enabled and not (config.dp_shard_enabled or config.tp_enabled):
+        if config.dp_replicate_enabled and not config.splits_model:
             raise ConfigError(
                 f"FSDP with parallelism_config dp_replicate_size={config.dp_replicate_size} alone has no dimension to "
                 f"shard over: set dp_shard_size (HSDP: dp_replicate_size x dp_shard_size processes), or drop --fsdp "

@@ -1,0 +1,167 @@
+"""The attention a context-parallel model runs, registered with transformers' ``AttentionInterface`` (and its mask
+interface) under one name. Outside a context-parallel region it is SDPA with transformers' own mask; inside one:
+
+- ``all_gather``: the ``cp`` ranks' keys and values are all-gathered with autograd, and the queries attend to them
+  under a mask built from global positions: causal, within one document (``position_ids`` resets, as in packed
+  batches) and over unpadded keys (the 2-D ``attention_mask``, gathered as well);
+- ``torch``: SDPA with ``is_causal=True``, which torch's ``context_parallel`` turns into ring attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer_ext.distributed.mesh.context_parallel import Active, active
+from trainer_ext.errors import ConfigError
+
+NAME = "trainer_ext_context_parallel"
+
+
+def _gather(tensor: torch.Tensor, region: Active) -> torch.Tensor:
+    """Every ``cp`` rank's ``tensor`` joined on dim 1 in rank order, without autograd (masks and positions)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(region.split.cp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=region.group)
+    return torch.cat(parts, dim=1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every ``cp`` rank's keys or values joined on the sequence dimension (2); the backward sums each slot's
+    gradient over the ranks and hands every rank its own slice (gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any, ranks: int, rank: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(ranks)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        ctx.group, ctx.rank, ctx.length = group, rank, tensor.shape[2]
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(2, ctx.rank * ctx.length, ctx.length), None, None, None
+
+
+def _gather_with_grad(tensor: torch.Tensor, region: Active) -> torch.Tensor:
+    return _GatherSequence.apply(tensor, region.group, region.split.cp_size, region.rank)
+
+
+def _check_positions(position_ids: torch.Tensor | None, region: Active) -> None:
+    """Refuse positions the model made up for the local slice: rotary embeddings need the sharded global ones."""
+    if position_ids is None or not region.buffers:
+        raise ConfigError(
+            "context parallelism needs position_ids among the sharded buffers (global positions for the rotary "
+            "embeddings): pass position_ids to the model and to maybe_context_parallel's buffers"
+        )
+    positions = position_ids.expand(position_ids.shape[0], -1)
+    for buffer in region.buffers:
+        if buffer.shape == positions.shape and buffer.dtype == positions.dtype and torch.equal(buffer, positions):
+            return
+        if buffer.dim() == 1 and positions.shape[0] == 1 and torch.equal(buffer, positions[0]):
+            return
+    raise ConfigError(
+        "context parallelism needs position_ids among the sharded buffers (global positions for the rotary "
+        "embeddings): pass position_ids to the model and to maybe_context_parallel's buffers"
+    )
+
+
+def _mask(region: Active, batch: int, q_length: int, position_ids: Any, key_padding: Any, device: Any) -> torch.Tensor:
+    """[batch, 1, q_length, cp × q_length] booleans: which gathered keys each local query may attend to."""
+    length = q_length * region.split.cp_size
+    q_index = region.split.indices(region.rank, length, device)
+    k_index = region.split.gathered_indices(length, device)
+    allowed = (k_index[None, :] <= q_index[:, None]).expand(batch, -1, -1)
+    positions = _gather(position_ids.expand(batch, -1), region)
+    in_order = positions.index_select(1, torch.argsort(k_index))  # global order
+    previous = torch.cat([in_order[:, :1] - 1, in_order[:, :-1]], dim=1)
+    document = (in_order - previous != 1).cumsum(-1)  # transformers' rule: a new document where positions do not step
+    allowed = allowed & (document[:, q_index, None] == document[:, None, k_index])
+    if key_padding is not None:
+        allowed = allowed & _gather(key_padding.to(torch.uint8), region).bool()[:, None, :]
+    allowed = allowed | (k_index[None, :] == q_index[:, None])  # a padding query attends to itself: no NaN rows
+    return allowed[:, None]
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; returns ([batch, length, heads, head_dim], None)."""
+    region = active()
+    if region is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if kwargs.get("sliding_window"):
+        raise ConfigError(
+            f"context parallelism met a sliding-window layer ({kwargs['sliding_window']} tokens) in "
+            f"{type(module).__name__}: it trains full causal attention only; use cp_size=1 for this model"
+        )
+    groups = query.shape[1] // key.shape[1]
+    if region.backend == "torch":
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
+        return out.transpose(1, 2).contiguous(), None
+    position_ids = kwargs.get("position_ids")
+    cached = region.cache.get("mask")
+    if cached is None or cached[0] is not position_ids or cached[1] is not attention_mask:
+        _check_positions(position_ids, region)
+        mask = _mask(region, query.shape[0], query.shape[2], position_ids, attention_mask, query.device)
+        region.cache["mask"] = cached = (position_ids, attention_mask, mask)
+    keys = _gather_with_grad(key, region).repeat_interleave(groups, 1)
+    values = _gather_with_grad(value, region).repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=cached[2], dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask-function signature: inside a region the 2-D padding mask as it is (the attention builds the
+    rest), outside one SDPA's mask."""
+    if active() is not None:
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ConfigError(
+                f"context parallelism takes a 2-D attention_mask (padding), not {attention_mask.dim()}-D: pass "
+                "position_ids resets for packed documents instead of a block mask"
+            )
+        return attention_mask  # as it is on every rank: the attention gathers it (one collective on all or none)
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Register the attention and mask functions with transformers (idempotent); returns their name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, mask)
+    return NAME
+
+
+def adopt(model: torch.nn.Module) -> None:
+    """Make ``model`` (and every sub-model's configuration) run this attention."""
+    register()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        for sub in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {})]:
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                sub._attn_implementation = NAME

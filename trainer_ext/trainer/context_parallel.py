@@ -1,0 +1,156 @@
+"""The Trainer's side of context parallelism: each batch made ready to split along the sequence (``shift_labels``
+built before the split, global ``position_ids``, every sequence tensor padded to a multiple of the chunk count),
+and evaluation's loss and logits put back together from the ``cp`` ranks' slices.
+
+transformers' own ``_prepare_context_parallel_inputs`` builds ``shift_labels`` only for torch's backend, pads nothing
+and refuses any non-causal 2-D mask; here padding masks and packed documents train exactly (``all_gather``), and
+torch's backend, which cannot express them, refuses them in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer_ext.distributed.mesh.context_parallel import SequenceSplit
+from trainer_ext.errors import ConfigError
+
+IGNORE_INDEX = -100
+# the batch keys split along dimension 1, and the value each is padded with
+SEQUENCE_KEYS = {
+    "input_ids": 0,
+    "labels": IGNORE_INDEX,
+    "shift_labels": IGNORE_INDEX,
+    "attention_mask": 0,
+    "position_ids": 0,
+    "token_type_ids": 0,
+    "inputs_embeds": 0,
+}
+
+
+def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """``tensor`` padded on the right of dimension 1 to ``length`` (always a new tensor: sharding is in place)."""
+    extra = length - tensor.shape[1]
+    if extra == 0:
+        return tensor.clone()
+    shape = list(tensor.shape)
+    shape[1] = extra
+    return torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
+
+
+def prepare_batch(inputs: dict[str, Any], split: SequenceSplit, backend: str) -> tuple[dict[str, Any], list[Any]]:
+    """A copy of ``inputs`` ready to split, and the tensors to split (their sequence dimension is 1)."""
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    if reference is None:
+        raise ConfigError(
+            "context parallelism splits input_ids (or inputs_embeds) along the sequence: the batch has neither"
+        )
+    batch = dict(inputs)
+    size, length = reference.shape[0], reference.shape[1]
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ConfigError(
+            f"context parallelism takes a 2-D attention_mask (padding), not {mask.dim()}-D: mark packed documents "
+            "with position_ids that restart at 0 instead of a block mask"
+        )
+    if "shift_labels" not in batch and batch.get("labels") is not None:
+        labels = batch["labels"]
+        batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(length, device=reference.device).expand(size, -1)
+    if backend == "torch":
+        _check_causal_only(batch)
+    padded = -(-length // split.multiple) * split.multiple
+    buffers = []
+    for key, value in SEQUENCE_KEYS.items():
+        tensor = batch.get(key)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[1] == length:
+            batch[key] = _pad(
+                tensor.expand(size, *tensor.shape[1:]) if key == "position_ids" else tensor, padded, value
+            )
+            buffers.append(batch[key])
+    return batch, buffers
+
+
+def _check_causal_only(batch: dict[str, Any]) -> None:
+    """torch's ring attention is causal over the whole row: refuse left padding and packed documents."""
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.bool().cummin(dim=1).values.eq(mask.bool()).all()):
+        raise ConfigError(
+            "cp_backend='torch' attends causally over whole rows and this batch is left-padded: pad on the right, "
+            "or use cp_backend='all_gather'"
+        )
+    positions = batch["position_ids"]
+    if bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
+        raise ConfigError(
+            "cp_backend='torch' attends causally over whole rows and this batch packs several documents "
+            "(position_ids restart): use cp_backend='all_gather', which keeps documents apart"
+        )
+
+
+class ContextParallelMixin:
+    """Trainer hooks for ``cp_size > 1`` (no-ops without it)."""
+
+    def _check_context_parallel_support(self) -> None:
+        """Refuse cp on a transformers whose training step does not call the hook that splits the batch."""
+        import transformers
+
+        if getattr(self.accelerator, "cp_backend", None) is not None:
+            if not hasattr(transformers.Trainer, "_prepare_context_parallel_inputs"):
+                raise ConfigError(
+                    f"cp_size > 1 needs a transformers whose Trainer splits batches for context parallelism; "
+                    f"{transformers.__version__} does not: upgrade transformers, or set cp_size=1"
+                )
+
+    def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
+        """The context that splits the batch for this ``cp`` rank, and the batch it splits (a padded copy)."""
+        engine = self.accelerator
+        if getattr(engine, "cp_backend", None) is None:
+            return contextlib.nullcontext, inputs
+        split = SequenceSplit(engine.parallelism_config.cp_size)
+        batch, buffers = prepare_batch(inputs, split, engine.cp_backend)
+        context = functools.partial(
+            engine.maybe_context_parallel,
+            buffers=buffers,
+            buffer_seq_dims=[1] * len(buffers),
+            no_restore_buffers=set(buffers),
+        )
+        return context, batch
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[Any, Any, Any]:
+        """transformers' step; under cp the loss is summed over the ``cp`` ranks' slices and the logits joined."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        engine = self.accelerator
+        if getattr(engine, "cp_backend", None) is None:
+            return loss, logits, labels
+        import torch.distributed as dist
+
+        cp = engine.parallel_mesh["cp"]
+        if loss is not None:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=cp.get_group())
+            loss = loss / cp.size()
+        if logits is not None:
+            length = inputs["input_ids"].shape[1] if "input_ids" in inputs else None
+            logits = _join(logits, cp, length)
+        return loss, logits, labels
+
+
+def _join(logits: Any, cp: Any, length: int | None) -> Any:
+    """Every ``cp`` rank's slice of ``logits`` (a tensor or a tuple of them) as the whole sequence, unpadded."""
+    import torch.distributed as dist
+
+    if isinstance(logits, (tuple, list)):
+        return type(logits)(_join(item, cp, length) for item in logits)
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(cp.size())]
+    dist.all_gather(parts, logits.contiguous(), group=cp.get_group())
+    joined = SequenceSplit(cp.size()).unshard(parts, 1)
+    return joined if length is None else joined[:, :length]
