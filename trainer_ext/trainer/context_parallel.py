@@ -76,6 +76,17 @@ def prepare_batch(inputs: dict[str, Any], split: SequenceSplit, backend: str) ->
     return batch, buffers
 
 
+def is_packed(inputs: Any) -> bool:
+    """True when a batch marks packed documents the way TRL's padding-free collators do: ``position_ids`` that restart
+    inside a row, and no ``attention_mask``."""
+    if not isinstance(inputs, dict) or inputs.get("attention_mask") is not None:
+        return False
+    positions = inputs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[1] < 2:
+        return False
+    return bool((positions[:, 1:] - positions[:, :-1] != 1).any())
+
+
 def _check_causal_only(batch: dict[str, Any]) -> None:
     """torch's ring attention is causal over the whole row: refuse left padding and packed documents."""
     mask = batch.get("attention_mask")
@@ -121,6 +132,15 @@ class ContextParallelMixin:
         )
         return context, batch
 
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A packed batch runs without the model's key/value cache: transformers builds the block-causal mask of
+        packed documents only without one, and a training forward otherwise makes one (documents would attend across
+        their boundaries, as with stock transformers on SDPA/eager)."""
+        inputs = super()._prepare_inputs(inputs)
+        if is_packed(inputs) and "use_cache" not in inputs and _takes_use_cache(self.model):
+            inputs = {**inputs, "use_cache": False}
+        return inputs
+
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> tuple[Any, Any, Any]:
@@ -140,6 +160,16 @@ class ContextParallelMixin:
             length = inputs["input_ids"].shape[1] if "input_ids" in inputs else None
             logits = _join(logits, cp, length)
         return loss, logits, labels
+
+
+def _takes_use_cache(model: Any) -> bool:
+    import inspect
+
+    forward = getattr(getattr(model, "module", model), "forward", None)
+    try:
+        return forward is not None and "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _join(logits: Any, cp: Any, length: int | None) -> Any:
