@@ -277,7 +277,7 @@ class Engine(AccelerateNames):
             if dispatch:
                 raise ConfigError(
                     "dispatch_batches=True sends each batch from the main process alone, and this parallelism_config "
-                    "has ranks that read the same batches (tensor parallelism): set dispatch_batches=False"
+                    "has ranks that read the same batches (tensor or context parallelism): set dispatch_batches=False"
                 )
             dispatch = False  # every rank reads its data-parallel share of an iterable dataset
         loader = shard_dataloader(
