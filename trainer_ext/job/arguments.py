@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from trainer_ext.distributed.mesh.config import CP_BACKENDS
 from trainer_ext.errors import ConfigError
 from trainer_ext.field_types import check_field_types
 from trainer_ext.job.fields import DATA_BUILDERS as DATA_BUILDERS
@@ -152,7 +153,22 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
     )
     cp_size: int | None = field(
         default=None,
-        metadata=field_help("Number of processes for context parallelism (not supported yet: only 1). Default: 1."),
+        metadata=field_help(
+            "Number of processes for context parallelism: each sequence is split over them (2 x cp_size chunks, "
+            "load-balanced for causal attention), and they see the same batch; causal LMs with full attention only. "
+            "Default: 1."
+        ),
+    )
+    cp_backend: str | None = field(
+        default=None,
+        metadata={
+            **field_help(
+                "Context-parallel attention: auto (torch's ring attention on CUDA, all_gather elsewhere), torch "
+                "(CUDA only) or all_gather (keys and values all-gathered; padding and packed documents exact). "
+                "Default: auto."
+            ),
+            "choices": list(CP_BACKENDS),
+        },
     )
 
     def __post_init__(self) -> None:
@@ -183,10 +199,7 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         for layer in layers:
             self._fill(**AUTO_DEFAULTS.get(layer, {}))
         self._set_parallelism()
-        if self.parallelism_config is not None:  # the model's heads against tp_size, before any process group
-            from trainer_ext.job.parallel import check_job_model
-
-            check_job_model(vars(self), self.parallelism_config.tp_size)
+        self._check_parallel_model()
         super().__post_init__()
 
     def _set_parallelism(self) -> None:
@@ -194,7 +207,7 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         from trainer_ext.job.parallel import TRAIN_SIZES, parallelism_from_sizes
 
         sizes = {name: getattr(self, name) for name in TRAIN_SIZES}
-        config = parallelism_from_sizes(sizes)
+        config = parallelism_from_sizes(sizes, self.cp_backend)
         if config is None:
             return
         if self.parallelism_config is not None:
@@ -203,6 +216,17 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
                 f"both parallelism_config and {given} given: pass the sizes in one place (the flags make the config)"
             )
         self.parallelism_config = config
+
+    def _check_parallel_model(self) -> None:
+        """The model against tp_size and cp_size before any process group, whether the sizes came from the flags, a
+        ``parallelism_config`` object or the launcher's ``PARALLELISM_CONFIG_*`` variables (TrainingArguments reads
+        those too)."""
+        from trainer_ext.distributed.mesh.setup import as_parallelism_config
+        from trainer_ext.job.parallel import check_job_model
+
+        config = as_parallelism_config(self.parallelism_config)
+        if config is not None:
+            check_job_model(vars(self), config.tp_size, config.cp_size)
 
     def _fill(self, **values: Any) -> None:
         """Set the fields still None to ``values``; remember them in ``auto_filled`` for the log."""

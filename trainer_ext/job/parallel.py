@@ -1,6 +1,7 @@
-"""The parallel sizes of a job (``--dp_replicate_size``, ``--dp_shard_size``, ``--tp_size``, ``--cp_size``) as a
-``ParallelismConfig``, the mesh they give on a number of processes, and the model-config checks tensor parallelism
-needs, shared by ``train``, ``launch`` and ``estimate``. Imports neither torch nor transformers.
+"""The parallel sizes of a job (``--dp_replicate_size``, ``--dp_shard_size``, ``--tp_size``, ``--cp_size`` and
+``--cp_backend``) as a ``ParallelismConfig``, the mesh they give on a number of processes, and the model-config checks
+tensor and context parallelism need, shared by ``train``, ``launch`` and ``estimate``. Imports neither torch nor
+transformers at module level.
 """
 
 from __future__ import annotations
@@ -8,31 +9,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_ext.distributed.mesh.config import ParallelismConfig
+from trainer_ext.distributed.mesh.config import CP_BACKENDS, ParallelismConfig
 from trainer_ext.distributed.mesh.device_mesh import fit_to_world
 from trainer_ext.distributed.mesh.tensor_parallel import check_split_sizes
 from trainer_ext.errors import ConfigError
+from trainer_ext.job.fields import TASKS
+
+TASKS_DEFAULT = TASKS[0]  # train's default task
 
 # the sizes a train job takes as flags; the launcher takes sp_size too (accelerate's key), refused when > 1
 TRAIN_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 LAUNCH_SIZES = (*TRAIN_SIZES, "sp_size")
+DEFAULT_CP_BACKEND = CP_BACKENDS[0]  # auto: torch's ring attention on CUDA, our all-gather attention elsewhere
 
 
-def parallelism_from_sizes(sizes: Mapping[str, Any]) -> ParallelismConfig | None:
-    """The ``ParallelismConfig`` of the sizes given (None = not given = 1); None when every size is 1 or unset.
+def parallelism_from_sizes(sizes: Mapping[str, Any], cp_backend: str | None = None) -> ParallelismConfig | None:
+    """The ``ParallelismConfig`` of the sizes given (None = not given = 1) and ``cp_backend`` (None: auto); None when
+    every size is 1 or unset.
 
-    Sizes not given are 1 here, never read from ``PARALLELISM_CONFIG_*``: flags say the whole configuration.
-    A bad size, or cp/sp above 1, is the config's one-line ConfigError."""
+    Sizes not given are 1 here and the backend auto, never read from ``PARALLELISM_CONFIG_*``: flags say the whole
+    configuration. A bad size or backend, or sp above 1, is the config's one-line ConfigError."""
     given = {name: value for name, value in sizes.items() if value is not None}
     if not given or all(value == 1 and not isinstance(value, bool) for value in given.values()):
         return None
-    return ParallelismConfig(**{name: given.get(name, 1) for name in LAUNCH_SIZES})
+    return ParallelismConfig(
+        **{name: given.get(name, 1) for name in LAUNCH_SIZES}, cp_backend=cp_backend or DEFAULT_CP_BACKEND
+    )
 
 
 def fitted(config: ParallelismConfig | None, world_size: int) -> ParallelismConfig:
     """A copy of ``config`` (no config: all sizes 1) fitted to ``world_size`` by accelerate's rule (all sizes 1 on
     several processes is plain data parallelism over all of them); ConfigError when the sizes do not multiply to it."""
-    copy = ParallelismConfig(**{name: getattr(config, name, 1) if config else 1 for name in LAUNCH_SIZES})
+    copy = ParallelismConfig(
+        **{name: getattr(config, name, 1) if config else 1 for name in LAUNCH_SIZES},
+        cp_backend=getattr(config, "cp_backend", None) or DEFAULT_CP_BACKEND,
+    )
     fit_to_world(copy, world_size)
     return copy
 
@@ -75,32 +86,75 @@ def check_model_for_tp(config: Any, tp_size: int, source: str, vocab: bool = Fal
     check_tp_config(values, plan, tp_size, source, vocab)
 
 
-def check_job_model(values: Mapping[str, Any], tp_size: int) -> list[str]:
-    """:func:`check_model_for_tp` on a train job's model from its flag values (a local pretrained model, a
-    ``--model_config`` or the task's preset), before any process group; notes when its config cannot be read here
-    (a hub id: checked when the model is built)."""
+def check_model_for_cp(config: Any, cp_size: int, source: str) -> None:
+    """Refuse, before any process starts, a model context parallelism over ``cp_size`` ranks would train wrongly
+    (sliding-window, chunked, bidirectional, encoder, soft-capped: the mesh module's rule, on the config alone)."""
+    if cp_size <= 1:
+        return
+    from trainer_ext.distributed.mesh.cp_model import check_model
+
+    try:
+        check_model(config, cp_size)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def check_cp_job(values: Mapping[str, Any], cp_size: int) -> list[str]:
+    """What context parallelism needs of a train job besides its model: a causal-lm task (the batch is split along
+    the sequence and the labels shifted before the split). Notes a ``max_seq_length`` below ``cp_size``: every
+    sequence is padded to a multiple of ``2 × cp_size`` chunks and trains exactly, but some ranks then hold padding
+    only."""
+    if cp_size <= 1:
+        return []
+    task = str(values.get("task") or TASKS_DEFAULT).strip().lower().replace("_", "-")
+    if task != "causal-lm":
+        raise ConfigError(
+            f"cp_size {cp_size}: context parallelism splits causal language models' sequences, and the task is "
+            f"{task}; use --task causal-lm, or set cp_size 1 (use dp_shard_size or tp_size)"
+        )
+    length = values.get("max_seq_length")
+    if isinstance(length, int) and not isinstance(length, bool) and length < cp_size:
+        return [
+            f"max_seq_length {length} with cp_size {cp_size}: each sequence is padded to {2 * cp_size} positions "
+            f"(2 chunks per rank), so {cp_size - length} of the {cp_size} context-parallel ranks hold only padding; "
+            f"a smaller cp_size does the same work"
+        ]
+    return []
+
+
+def check_job_model(values: Mapping[str, Any], tp_size: int, cp_size: int = 1) -> list[str]:
+    """The train job's model from its flag values (a local pretrained model, a ``--model_config`` or the task's
+    preset) checked against ``tp_size`` (:func:`check_model_for_tp`) and ``cp_size`` (:func:`check_cp_job`,
+    :func:`check_model_for_cp`), before any process group; notes when its config cannot be read here (a hub id:
+    checked when the model is built)."""
     import os
 
-    from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS, TASKS
+    from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS
     from trainer_ext.job.model_limits import load_model_config
 
-    if tp_size <= 1:
-        return []
+    notes = check_cp_job(values, cp_size)
+    if tp_size <= 1 and cp_size <= 1:
+        return notes
     name = values.get("model_name_or_path")
     if name:
         if not os.path.exists(os.path.expanduser(name)):
-            return [f"tp_size {tp_size}: the heads of {name!r} are checked when train loads its config"]
+            sizes = " and ".join(f"{n} {s}" for n, s in (("tp_size", tp_size), ("cp_size", cp_size)) if s > 1)
+            return [*notes, f"{sizes}: {name!r} is checked when train loads its config"]
         config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
-        check_model_for_tp(config, tp_size, f"--model_name_or_path {name}", vocab=True)  # train pads no vocabulary
-        return []
-    task = str(values.get("task") or TASKS[0]).strip().lower().replace("_", "-")
+        source = f"--model_name_or_path {name}"
+        check_model_for_tp(config, tp_size, source, vocab=True)  # train pads no vocabulary
+        check_model_for_cp(config, cp_size, source)
+        return notes
+    task = str(values.get("task") or TASKS_DEFAULT).strip().lower().replace("_", "-")
     preset = values.get("model_config") or DEFAULT_PRESET.get(task)
     if preset is None:
-        return []  # an unknown task: train names it
+        return notes  # an unknown task: train names it
     if preset in PRESETS:
         import transformers
 
-        check_model_for_tp(transformers.AutoConfig.for_model(**PRESETS[preset]), tp_size, f"the preset {preset}")
+        config, source = transformers.AutoConfig.for_model(**PRESETS[preset]), f"the preset {preset}"
     else:
-        check_model_for_tp(load_model_config(preset), tp_size, f"--model_config {preset}")
-    return []
+        config, source = load_model_config(preset), f"--model_config {preset}"
+    check_model_for_tp(config, tp_size, source)
+    check_model_for_cp(config, cp_size, source)
+    return notes
