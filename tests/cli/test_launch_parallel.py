@@ -43,7 +43,8 @@ def launch_cli(*argv: str) -> subprocess.CompletedProcess:
 def one_problem(proc: subprocess.CompletedProcess) -> str:
     """The one problem of a refused launch: exit 2, one ``error:`` heading, one problem line, no traceback."""
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    # a launch config given with --config_file is named first (an information line, not a problem)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and " launch config: " not in line]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert lines[0] == "error: cannot launch (1 problem):" and len(lines) == 2, proc.stderr
     return lines[1].removeprefix("  - ")
@@ -157,12 +158,27 @@ def test_the_dry_run_of_a_real_cli_shows_the_mesh():
             "with DeepSpeed: tensor parallelism runs on FSDP2 or alone",
         ),
         (
-            ["--num_processes", "2", "--cp_size", "2", *CAUSAL],
-            "ParallelismConfig cp_size=2: context parallelism is not supported yet; set cp_size=1",
+            ["--num_processes", "2", "--cp_size", "2", "train"],  # the default job: a BERT classifier
+            "cp_size 2: context parallelism splits causal language models' sequences, and the task is "
+            "sequence-classification; use --task causal-lm, or set cp_size 1 (use dp_shard_size or tp_size)",
+        ),
+        (
+            ["--num_processes", "2", "--cp_size", "2", *CAUSAL, "--model_config", "tiny-gpt2", "--deepspeed", ZERO2],
+            "cp_size 2 (cp_size from command line --cp_size) with DeepSpeed: context parallelism runs on FSDP2 or "
+            "alone; drop --deepspeed (use --dp_shard_size to shard the rest) or set cp_size 1",
+        ),
+        (
+            ["--num_processes", "2", "--cpu", "--cp_size", "2", "--cp_backend", "torch", *CAUSAL],
+            "cp_backend='torch' runs torch's context_parallel, which has no cpu kernel (torch 2.13): use "
+            "cp_backend='all_gather' or 'auto'",
+        ),
+        (
+            ["--num_processes", "4", "--cp_size", "2", "--dp_shard_size", "2", *CAUSAL, "--model_config", "tiny-bert"],
+            "the preset tiny-bert: cp_size=2: bert is not a causal language model",
         ),
         (
             ["--num_processes", "2", "--sp_size", "2", *CAUSAL],
-            "ParallelismConfig sp_size=2: sequence parallelism is not supported yet; set sp_size=1",
+            "ParallelismConfig sp_size=2: sequence (Ulysses) parallelism is not supported yet; set sp_size=1",
         ),
         (
             ["--num_processes", "4", "--tp_size", "4", *CAUSAL],
@@ -178,7 +194,19 @@ def test_the_dry_run_of_a_real_cli_shows_the_mesh():
             "ParallelismConfig spans 4 processes",
         ),
     ],
-    ids=["world", "deepspeed", "train-deepspeed", "cp", "sp", "kv-heads", "no-plan", "train-flags-world"],
+    ids=[
+        "world",
+        "deepspeed",
+        "train-deepspeed",
+        "cp-task",
+        "cp-deepspeed",
+        "cp-torch-on-cpu",
+        "cp-model",
+        "sp",
+        "kv-heads",
+        "no-plan",
+        "train-flags-world",
+    ],
 )
 def test_refusals_are_one_line_and_exit_2_before_any_process(argv, message):
     assert message in one_problem(launch_cli(*argv))
@@ -239,3 +267,113 @@ def test_a_pretrained_models_vocabulary_must_split_by_rows(tmp_path):
         f"tensor parallelism over 2 ranks needs vocab_size (91) of --model_name_or_path {folder} divisible by 2: "
         "choose a tp_size that divides 91"
     )
+
+
+def test_cp_flags_in_both_spellings_reach_a_script_as_accelerates_variables(script):
+    settings, plan, _ = prepare(
+        ["--cpu", "--num_processes", "4", "--parallelism_config_cp_size", "2", "--dp_shard_size", "2", script]
+    )
+    assert settings.sources["cp_size"] == "command line --parallelism_config_cp_size"
+    sizes = {k.removeprefix("PARALLELISM_CONFIG_"): v for k, v in plan.env.items() if k.startswith("PARALLELISM_")}
+    assert sizes == {
+        "DP_REPLICATE_SIZE": "1",
+        "DP_SHARD_SIZE": "2",
+        "TP_SIZE": "1",
+        "CP_SIZE": "2",
+        "SP_SIZE": "1",
+        "CP_BACKEND": "auto",
+    }
+    assert plan.env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert plan.parallel.line().startswith(
+        "mesh: dp_shard 2 x cp 2 (2 data-parallel ranks; context-parallel attention all_gather (auto); "
+    )
+    _, plan, _ = prepare(["--cpu", "--num_processes", "2", "--cp_size", "2", "--cp_backend", "all_gather", script])
+    assert plan.env["PARALLELISM_CONFIG_CP_BACKEND"] == "all_gather"
+    _, plan, _ = prepare(["--cpu", "--num_processes", "2", "--parallelism_config_cp_backend=all_gather", script])
+    assert plan.parallel is None and "PARALLELISM_CONFIG_CP_BACKEND" not in plan.env  # no cp: nothing to choose
+
+
+def test_train_gets_cp_as_flags_and_its_own_backend_wins():
+    _, plan, _ = prepare(["--cpu", "--num_processes", "2", "--cp_size", "2", "--cp_backend", "all_gather", *CAUSAL])
+    args = plan.command[plan.command.index("train") + 1 :]
+    assert args == ["--task", "causal-lm", "--use_cpu", "--cp_size", "2", "--cp_backend", "all_gather"]
+    _, plan, _ = prepare(["--cpu", "--num_processes", "2", "--cp_size", "2", *CAUSAL, "--cp_backend", "all_gather"])
+    args = plan.command[plan.command.index("train") + 1 :]
+    assert args == ["--task", "causal-lm", "--cp_backend", "all_gather", "--use_cpu", "--cp_size", "2"]
+    assert plan.env["PARALLELISM_CONFIG_CP_BACKEND"] == "all_gather"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "num_processes: 2\ncp_size: 2\ncp_backend: all_gather\n",
+        "num_processes: 2\nparallelism_config:\n  parallelism_config_cp_size: 2\n"
+        "  parallelism_config_cp_backend: all_gather\n  parallelism_config_cp_comm_strategy: allgather\n",
+    ],
+    ids=["top-level", "accelerate"],
+)
+def test_cp_launch_config_keys_ours_and_accelerates(tmp_path, text):
+    path = tmp_path / "launch.yaml"
+    path.write_text(text)
+    config = read_config_file(path)
+    assert config.problems == []
+    assert (config.values["cp_size"], config.values["cp_backend"]) == (2, "all_gather")
+    _, plan, _ = prepare(["--config_file", str(path), "--cpu", *CAUSAL])
+    assert plan.parallel.line().startswith("mesh: cp 2 (1 data-parallel rank; context-parallel attention all_gather; ")
+    assert plan.command[-4:] == ["--cp_size", "2", "--cp_backend", "all_gather"]
+    path.write_text(text.replace("all_gather", "ring"))
+    assert any(
+        "cp_backend: 'ring' is not one of auto, torch, all_gather" in p for p in read_config_file(path).problems
+    )
+
+
+SLIDING = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=64,
+    sliding_window=16,
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "yaml", "reason"),
+    [
+        (
+            dict(model_type="mistral"),
+            "num_processes: 2\nuse_cpu: true\ncp_size: 2\n",
+            "mistral uses sliding-window attention (16 tokens), which context parallelism cannot express",
+        ),
+        (
+            dict(model_type="qwen2", use_sliding_window=True, max_window_layers=0),
+            "distributed_type: MULTI_CPU\nnum_processes: 2\nparallelism_config:\n  parallelism_config_cp_size: 2\n",
+            "qwen2 has 2 sliding-attention layers, which context parallelism would train with full causal attention",
+        ),
+    ],
+    ids=["mistral-top-level", "qwen2-accelerate-section"],
+)
+def test_cp_from_a_launch_yaml_refuses_a_sliding_window_model_before_any_process(tmp_path, model, yaml, reason):
+    """trl#6843: a guard that missed context parallelism set through the launch YAML trained such a model wrongly."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**SLIDING, **model}))
+    launch = tmp_path / "launch.yaml"
+    launch.write_text(yaml)
+    line = one_problem(launch_cli("--config_file", str(launch), *CAUSAL, "--model_name_or_path", str(folder)))
+    assert line == (
+        f"--model_name_or_path {folder}: cp_size=2: {reason}; train it with cp_size=1 (use dp_shard_size or tp_size)"
+    )
+
+
+def test_the_dry_run_shows_the_mesh_with_cp_and_notes_idle_ranks(capsys):
+    argv = ["launch", "--cpu", "--num_processes", "4", "--cp_size", "2", "--dp_shard_size", "2", "--dry_run", *CAUSAL]
+    assert main([*argv, "--max_seq_length", "1"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("mesh:")] == [
+        "mesh: dp_shard 2 x cp 2 (2 data-parallel ranks; context-parallel attention all_gather (auto); "
+        "dp_shard_size from command line --dp_shard_size, cp_size from command line --cp_size)"
+    ]
+    assert "PARALLELISM_CONFIG_CP_SIZE=2" in out and "PARALLELISM_CONFIG_CP_BACKEND=auto" in out
+    assert "  - max_seq_length 1 with cp_size 2: each sequence is padded to 4 positions" in out

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_ext.config_files import load_mapping
+from trainer_ext.distributed.mesh.config import CP_BACKENDS
 from trainer_ext.env_vars import CONFIG_FILE
 from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.values import MIXED_PRECISION, is_true, parse_bool
@@ -160,13 +161,13 @@ MAX_PROCESSES = MAX_MACHINES * 16
 MAX_RESTARTS = 10_000
 MAX_ACCUMULATION = 1 << 20
 
-# the parallel sizes: top-level keys (ours), or under parallelism_config as accelerate writes them
-# (parallelism_config_tp_size, ...; the bare names too), or tp_config.tp_size (older accelerate)
+# the parallel sizes and the context-parallel backend: top-level keys (ours), or under parallelism_config as
+# accelerate writes them (parallelism_config_tp_size, ...; the bare names too), or tp_config.tp_size (older accelerate)
 PARALLEL_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+PARALLEL_KEYS = (*PARALLEL_SIZES, "cp_backend")
 PARALLEL_PREFIX = "parallelism_config_"
-# accelerate's context/sequence-parallel options: nothing to do while cp_size and sp_size stay 1
+# accelerate's options for torch's ring attention and sequence parallelism: nothing to do here (sp_size stays 1)
 PARALLEL_IGNORED = (
-    "cp_backend",
     "cp_comm_strategy",
     "sp_backend",
     "sp_seq_length",
@@ -188,6 +189,7 @@ PLAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "gradient_accumulation_steps": whole_number(1, MAX_ACCUMULATION),
     "debug": parse_bool,
     **dict.fromkeys(PARALLEL_SIZES, whole_number(1, MAX_PROCESSES)),
+    "cp_backend": one_of(CP_BACKENDS),
 }
 SPECIAL_KEYS = ("compute_environment", "distributed_type", "use_cpu", "deepspeed_config", "fsdp_config", "fp16")
 SPECIAL_KEYS += ("parallelism_config", "tp_config")
@@ -231,7 +233,7 @@ def _parallelism(config: ConfigFile, key: str, section: Any) -> None:
     if not isinstance(section, Mapping):
         config.problem(f"{key} must be a mapping of sizes (e.g. {PARALLEL_PREFIX}tp_size: 2), not {section!r}")
         return
-    valid = [*PARALLEL_SIZES, *PARALLEL_IGNORED] if key == "parallelism_config" else ["tp_size"]
+    valid = [*PARALLEL_KEYS, *PARALLEL_IGNORED] if key == "parallelism_config" else ["tp_size"]
     for name, value in section.items():
         bare = str(name).replace("-", "_").removeprefix(PARALLEL_PREFIX)
         where = f"{key}.{name}"

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_ext.cli.launch.config_file import MIXED_PRECISION, RDZV_BACKENDS, one_of
+from trainer_ext.cli.launch.config_file import CP_BACKENDS, MIXED_PRECISION, RDZV_BACKENDS, one_of
 from trainer_ext.cli.launch.target import USAGE, Target
 from trainer_ext.errors import ConfigError, did_you_mean
 
@@ -18,7 +18,7 @@ PARALLEL_HELP = {
     "dp_replicate_size": "model replicas (data parallel; with --dp_shard_size: HSDP)",
     "dp_shard_size": "processes FSDP2 shards each replica over",
     "tp_size": "processes each layer is split over (tensor parallel, the model's own plan)",
-    "cp_size": "context parallel processes (not supported yet: 1)",
+    "cp_size": "processes each sequence is split over (context parallel; causal LMs with full attention)",
     "sp_size": "sequence parallel processes (not supported yet: 1)",
 }
 
@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, text in PARALLEL_HELP.items():  # accelerate's --parallelism_config_<size> spelling too
         add(f"--{name}", f"--parallelism_config_{name}", dest=name, type=int, metavar="N", help=text)
+    add(
+        "--cp_backend",
+        "--parallelism_config_cp_backend",
+        dest="cp_backend",
+        type=_one_of(CP_BACKENDS),
+        help="context-parallel attention: auto (torch on CUDA, all_gather elsewhere), torch (CUDA) or all_gather",
+    )
     add(
         "--num_cpu_threads_per_process",
         type=int,

@@ -1,12 +1,14 @@
-"""The launch's parallel sizes (``--tp_size``, ``--dp_shard_size``, ``--dp_replicate_size``; ``--cp_size`` and
-``--sp_size`` refused above 1): checked before any process starts, shown as a mesh by the dry run, and handed to the
-processes as accelerate's variables (``ACCELERATE_USE_PARALLELISM_CONFIG`` and ``PARALLELISM_CONFIG_<SIZE>``), which a
-script's TrainingArguments or Accelerator read; ``train`` also gets them as flags.
+"""The launch's parallel sizes (``--tp_size``, ``--dp_shard_size``, ``--dp_replicate_size``, ``--cp_size`` with
+``--cp_backend``; ``--sp_size`` refused above 1): checked before any process starts, shown as a mesh by the dry run,
+and handed to the processes as accelerate's variables (``ACCELERATE_USE_PARALLELISM_CONFIG``,
+``PARALLELISM_CONFIG_<SIZE>`` and, with context parallelism, ``PARALLELISM_CONFIG_CP_BACKEND``), which a script's
+TrainingArguments or Accelerator read; ``train`` also gets them as flags.
 
 For ``train`` the sizes its own arguments (or their ``--config`` files) set win over the launch's, as every other
-train flag does; with ``tp_size`` above 1 the model's config is read (a preset, a config file, a local model folder)
-and a model without a tensor-parallel plan, or with heads, key/value heads or an intermediate size ``tp_size`` does
-not divide, is refused.
+train flag does; with ``tp_size`` or ``cp_size`` above 1 the model's config is read (a preset, a config file, a local
+model folder) and a model without a tensor-parallel plan, with heads, key/value heads or an intermediate size
+``tp_size`` does not divide, or one context parallelism would train wrongly (sliding-window, chunked, bidirectional
+attention, ...), is refused, wherever the sizes came from (flags, a launch config file, accelerate's keys).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer_ext import env_vars
 from trainer_ext.cli.launch.handoff import train_sources
+from trainer_ext.distributed.mesh.context_parallel import resolve_backend
 from trainer_ext.distributed.mesh.setup import describe as mesh_text
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.parallel import (
@@ -42,15 +45,19 @@ class ParallelPlan:
     source: str
     train_flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"  # where the processes run: the context-parallel backend ``auto`` resolves to depends on it
 
     def env(self) -> dict[str, str]:
-        """accelerate's variables for a configuration that splits anything; none for plain data parallelism."""
+        """accelerate's variables for a configuration that splits anything (the context-parallel backend with
+        ``cp_size`` above 1); none for plain data parallelism."""
         if self.plain:
             return {}
         out = {env_vars.USE_PARALLELISM_CONFIG: "true"}
         out.update(
             {env_vars.PARALLELISM_CONFIG_PREFIX + name.upper(): str(getattr(self.config, name)) for name in SIZES}
         )
+        if self.config.cp_size > 1:
+            out[env_vars.PARALLELISM_CONFIG_PREFIX + "CP_BACKEND"] = self.config.cp_backend
         return out
 
     @property
@@ -62,7 +69,14 @@ class ParallelPlan:
         """The dry run's line, e.g. ``mesh: dp_shard 2 x tp 2 (2 data-parallel ranks; from ...)``."""
         ranks = data_parallel_ranks(self.config)
         how = "plain data parallelism, accelerate's rule for sizes all 1; " if self.plain else ""
-        return f"mesh: {mesh_text(self.config)} ({how}{ranks} data-parallel rank{'s' * (ranks > 1)}; {self.source})"
+        cp = ""
+        if self.config.cp_size > 1:
+            used = resolve_backend(self.config.cp_backend, self.device)
+            chosen = f" ({self.config.cp_backend})" if self.config.cp_backend != used else ""
+            cp = f"; context-parallel attention {used}{chosen}"
+        return (
+            f"mesh: {mesh_text(self.config)} ({how}{ranks} data-parallel rank{'s' * (ranks > 1)}{cp}; {self.source})"
+        )
 
 
 def launch_sizes(s: Settings) -> dict[str, int | None]:
@@ -77,24 +91,38 @@ def _given_source(s: Settings) -> str:
     return ", ".join(f"{name} from {s.sources[name]}" for name in names)
 
 
-def check_sizes(sizes: dict[str, Any], world_size: int, deepspeed: Any, source: str) -> ParallelismConfig | None:
-    """The configuration of ``sizes`` fitted to ``world_size``; None when no size was given. ConfigError (one line)
-    for cp/sp above 1, sizes that do not multiply to ``world_size``, tensor parallelism with DeepSpeed."""
+def check_sizes(
+    sizes: dict[str, Any],
+    world_size: int,
+    deepspeed: Any,
+    source: str,
+    cp_backend: str | None = None,
+    device: str = "cpu",
+) -> ParallelismConfig | None:
+    """The configuration of ``sizes`` and ``cp_backend`` fitted to ``world_size``; None when no size was given.
+    ConfigError (one line) for sp above 1, sizes that do not multiply to ``world_size``, tensor or context
+    parallelism with DeepSpeed, a context-parallel backend ``device`` cannot run."""
     if all(value is None for value in sizes.values()):
         return None
-    config = fitted(parallelism_from_sizes(sizes), world_size)
-    if config.tp_size > 1 and deepspeed:
-        raise ConfigError(
-            f"tp_size {config.tp_size} ({source}) with DeepSpeed: tensor parallelism runs on FSDP2 or alone; drop "
-            "--deepspeed (use --dp_shard_size to shard the rest) or set tp_size 1"
-        )
+    config = fitted(parallelism_from_sizes(sizes, cp_backend), world_size)
+    for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
+        size = getattr(config, name)
+        if size > 1 and deepspeed:
+            raise ConfigError(
+                f"{name} {size} ({source}) with DeepSpeed: {what} parallelism runs on FSDP2 or alone; drop "
+                f"--deepspeed (use --dp_shard_size to shard the rest) or set {name} 1"
+            )
+    if config.cp_size > 1:
+        resolve_backend(config.cp_backend, device)
     return config
 
 
 def parallel_problems(s: Settings) -> list[str]:
     """What the launch settings alone get wrong about the sizes (for ``launch`` and ``config validate``)."""
     try:
-        check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s))
+        check_sizes(
+            launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s), s["cp_backend"], s["device"] or "cpu"
+        )
     except ConfigError as error:
         return [str(error)]
     return []
@@ -102,19 +130,22 @@ def parallel_problems(s: Settings) -> list[str]:
 
 def plan_for_script(s: Settings) -> ParallelPlan | None:
     """The launch's sizes for a script or module; None when none was given."""
-    config = check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s))
-    return None if config is None else ParallelPlan(config, _given_source(s))
+    device = s["device"] or "cpu"
+    config = check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s), s["cp_backend"], device)
+    return None if config is None else ParallelPlan(config, _given_source(s), device=device)
 
 
 def plan_for_train(s: Settings, user_args: Sequence[str]) -> ParallelPlan | None:
     """The sizes ``train`` runs with: its own flags' where it sets any (the launch's are then not passed on, with a
-    note), else the launch's, passed as flags; checked against the world, DeepSpeed and the model's config."""
+    note), else the launch's, passed as flags; checked against the world, DeepSpeed, the device and the model's
+    config. ``--cp_backend`` likewise: the train arguments' own when they set it, else the launch's."""
     user = train_sources(user_args)
     own = [name for name in TRAIN_SIZES if name in user]
     launched = launch_sizes(s)
     notes: list[str] = []
+    values = _train_values(user_args) if own or "parallelism_config" in user or "cp_backend" in user else {}
+    backend = values.get("cp_backend") if "cp_backend" in user else s["cp_backend"]
     if own or "parallelism_config" in user:
-        values = _train_values(user_args)
         sizes = {name: values.get(name) for name in TRAIN_SIZES}
         shown = [name for name in own if (sizes[name] or 1) > 1] or own
         source = ", ".join(f"{name} from {user[name]}" for name in shown) or user["parallelism_config"]
@@ -128,13 +159,16 @@ def plan_for_train(s: Settings, user_args: Sequence[str]) -> ParallelPlan | None
         flags = [
             word for name in TRAIN_SIZES if launched[name] is not None for word in (f"--{name}", str(launched[name]))
         ]
+        if s["cp_backend"] is not None and "cp_backend" not in user and flags:
+            flags += ["--cp_backend", s["cp_backend"]]
     deepspeed = s["deepspeed"] or "deepspeed" in train_sources(user_args)
-    config = check_sizes(sizes, s.world_size, deepspeed, source)
+    device = s["device"] or "cpu"
+    config = check_sizes(sizes, s.world_size, deepspeed, source, backend, device)
     if config is None:
         return None
-    if config.tp_size > 1:
-        notes += check_train_model(user_args, config.tp_size)
-    return ParallelPlan(config, source, flags, notes)
+    if config.tp_size > 1 or config.cp_size > 1:
+        notes += check_train_model(user_args, config.tp_size, config.cp_size)
+    return ParallelPlan(config, source, flags, notes, device)
 
 
 def _train_values(args: Sequence[str]) -> dict[str, Any]:
@@ -144,9 +178,9 @@ def _train_values(args: Sequence[str]) -> dict[str, Any]:
     return parse_train_values(args)[0]
 
 
-def check_train_model(args: Sequence[str], tp_size: int) -> list[str]:
-    """ConfigError when the train job's model cannot be split over ``tp_size`` ranks; notes when its config cannot
-    be read here (a hub id: checked when the model is built)."""
+def check_train_model(args: Sequence[str], tp_size: int, cp_size: int = 1) -> list[str]:
+    """ConfigError when the train job's model cannot be split over ``tp_size`` ranks or its sequences over
+    ``cp_size``; notes when its config cannot be read here (a hub id: checked when the model is built)."""
     from trainer_ext.job.parallel import check_job_model
 
-    return check_job_model(_train_values(args), tp_size)
+    return check_job_model(_train_values(args), tp_size, cp_size)

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainer_ext.cli.launch.config_file import (
     MAX_PROCESSES_PER_MACHINE,
-    PARALLEL_SIZES,
+    PARALLEL_KEYS,
     PLAIN_KEYS,
     ConfigFile,
     whole_number,
@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "require_gpu": False,
     "distributed_type": None,
     "num_cpu_threads_per_process": None,
-    **dict.fromkeys(PARALLEL_SIZES),
+    **dict.fromkeys(PARALLEL_KEYS),
 }
 SHOWN = (
     "num_machines",
@@ -65,6 +65,8 @@ SHOWN = (
     "dp_replicate_size",
     "dp_shard_size",
     "tp_size",
+    "cp_size",
+    "cp_backend",
 )
 PROCESS_KEYS = ("num_processes", "nproc_per_node")
 # command-line values go through the same checks as config-file values
