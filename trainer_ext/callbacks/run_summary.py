@@ -55,10 +55,12 @@ def run_summary(
     threads: str | None = None,
     mesh: str | None = None,
     data_parallel: int | None = None,
+    context_parallel: str | None = None,
 ) -> str:
     """The block as text (a pure function so that it is tested without a run). ``mesh`` and ``data_parallel``: the
-    parallelism config's mesh and its data-parallel ranks (the world over tensor-parallel ranks, which share a
-    batch): those ranks, not the processes, multiply the batch."""
+    parallelism config's mesh and its data-parallel ranks (the world over tensor- and context-parallel ranks, which
+    share a batch): those ranks, not the processes, multiply the batch. ``context_parallel``: the context-parallel
+    ranks and attention (:func:`_context_parallel`)."""
     ranks = world_size if data_parallel is None else data_parallel
     global_batch = ranks * per_device_batch * accumulation
     lines = [
@@ -71,11 +73,13 @@ def run_summary(
             f"  mesh                    = {mesh}",
             f"  data-parallel ranks     = {ranks}"
             + (
-                f" (world {world_size} / {shared}: the ranks of one tensor-parallel group share a batch)"
+                f" (world {world_size} / {shared}: the ranks of one {_group(mesh)} share a batch)"
                 if shared > 1
                 else ""
             ),
         ]
+    if context_parallel is not None:
+        lines.append(f"  context parallel        = {context_parallel}")
     lines += [
         f"  per-device batch        = {per_device_batch}",
         f"  accumulation steps      = {accumulation}",
@@ -117,6 +121,25 @@ def _mesh(engine: Any, world_size: int) -> tuple[str | None, int | None]:
     return describe(config), config.total_size // config.non_data_parallel_size
 
 
+def _group(mesh: str) -> str:
+    """The group whose ranks share a batch, named by the mesh's dimensions: tensor- and/or context-parallel."""
+    dims = {part.split()[0] for part in mesh.split(" x ")}
+    if {"tp", "cp"} <= dims:
+        return "tensor- and context-parallel group"
+    return "context-parallel group" if "cp" in dims else "tensor-parallel group"
+
+
+def _context_parallel(engine: Any) -> str | None:
+    """``2 ranks, all_gather attention (auto)``: the cp ranks each sequence is split over and the attention the
+    engine runs (``engine.cp_backend``), with the backend asked for when it was ``auto``; None without cp."""
+    used = getattr(engine, "cp_backend", None)
+    config = getattr(engine, "parallelism_config", None)
+    if used is None or config is None:
+        return None
+    asked = getattr(config, "cp_backend", None)
+    return f"{config.cp_size} ranks, {used} attention" + (f" ({asked})" if asked and asked != used else "")
+
+
 class RunSummaryCallback(TrainerCallback):
     """Prints :func:`run_summary` on the main process when training starts."""
 
@@ -148,5 +171,6 @@ class RunSummaryCallback(TrainerCallback):
             threads=cpu_threads.current(cpu_threads.local_processes()).describe(),
             mesh=mesh,
             data_parallel=data_parallel,
+            context_parallel=_context_parallel(engine),
         )
         print(self.printed, flush=True)
