@@ -18,8 +18,10 @@ Tasks:
   batches of 3, and ``gather_for_metrics`` of each eval batch's lengths;
 - ``packed`` / ``unpacked``: :data:`PACKED_STEPS` SGD steps on the same documents packed into one row per device
   batch (``DataCollatorWithFlattening``) or one right-padded row each (:func:`unpacked`);
-- ``packed_cache``: ``packed`` with ``use_cache=True`` in every batch (the key/value cache keeps transformers from
-  building the block mask of packed documents: they attend across their boundaries).
+- ``packed_args_cache``: ``packed`` with ``TrainingArguments(use_cache=True)`` (the model's config then asks for a
+  key/value cache, which our Trainer turns off for packed batches);
+- ``packed_cache``: ``packed`` with ``use_cache=True`` in every batch, which the Trainer leaves as it is (the cache
+  keeps transformers from building the block mask of packed documents: they attend across their boundaries).
 """
 
 from __future__ import annotations
@@ -106,10 +108,17 @@ def with_cache(features: list[dict]) -> dict:
     return {**DataCollatorWithFlattening()(features, return_tensors="pt"), "use_cache": True}
 
 
-PACKINGS = {"packed": DataCollatorWithFlattening(), "unpacked": unpacked, "packed_cache": with_cache}
+# task -> (data collator, TrainingArguments overrides)
+PACKINGS = {
+    "packed": (DataCollatorWithFlattening(), {}),
+    "unpacked": (unpacked, {}),
+    "packed_args_cache": (DataCollatorWithFlattening(), {"use_cache": True}),
+    "packed_cache": (with_cache, {}),
+}
 
 
 def packing_trainer(out: Path, text: str, packing: str) -> Trainer:
+    collator, overrides = PACKINGS[packing]
     args = arguments(
         out / packing,
         text,
@@ -119,9 +128,10 @@ def packing_trainer(out: Path, text: str, packing: str) -> Trainer:
         optim="sgd",
         learning_rate=0.1,
         lr_scheduler_type="constant",
+        **overrides,
     )
     data = ragged_lm_dataset(PACKED_DOCS, seed=3)
-    return Trainer(model=model(), args=args, train_dataset=data, data_collator=PACKINGS[packing])
+    return Trainer(model=model(), args=args, train_dataset=data, data_collator=collator)
 
 
 def full(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ JOB = "tests.distributed.cp_job"
 # name -> (processes, cp,dp_shard,tp, tasks); "from=NAME" resumes launch NAME's checkpoint-5
 LAUNCHES = {
     "cp2": (2, "2,1,1", ("train", "eval", "same_mesh", "packed", "unpacked")),
-    "one": (1, "1,1,1", ("train", "eval", "from=cp2", "packed", "unpacked", "packed_cache")),
+    "one": (1, "1,1,1", ("train", "eval", "from=cp2", "packed", "unpacked", "packed_args_cache", "packed_cache")),
     "cp_dp": (4, "2,2,1", ("train", "eval", "same_mesh", "from=one")),
     "cp_tp": (4, "2,1,2", ("train", "eval")),
 }

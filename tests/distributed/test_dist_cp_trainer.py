@@ -126,9 +126,17 @@ def test_packed_documents_train_as_unpacked_rows(root: Path, mesh: str) -> None:
     assert_close(run_diff(packed, seen(launched(root, "one"), "unpacked")), mesh)
 
 
+def test_packed_documents_stay_apart_when_the_arguments_ask_for_the_cache(root: Path) -> None:
+    """``TrainingArguments(use_cache=True)`` sets the model's config to build a key/value cache in training, and
+    transformers builds no block mask for packed documents with one: our Trainer turns the cache off for packed
+    batches, so they still train as the unpacked rows (with the default ``use_cache=False`` no cache is built)."""
+    out = launched(root, "one")
+    assert_close(run_diff(seen(out, "packed_args_cache"), seen(out, "unpacked")), "use_cache=True")
+
+
 def test_packed_documents_attend_across_their_boundaries_with_the_cache(root: Path) -> None:
-    """The check above can fail: with ``use_cache=True`` in each batch transformers builds no block mask on one
-    process, the packed documents see each other, and the run leaves the unpacked one."""
+    """The checks above can fail: with ``use_cache=True`` in each batch (which the Trainer leaves as it is) the
+    packed documents see each other on one process, and the run leaves the unpacked one."""
     out = launched(root, "one")
     diff = run_diff(seen(out, "packed_cache"), seen(out, "unpacked"))
     assert diff["loss"] > 1e-3 and diff["weights"] > 1e-4, diff
