@@ -34,6 +34,7 @@ _EXPORTS = {
     "FullyShardedDataParallelPlugin": "trainer_ext.distributed.strategies.fsdp.plugin",
     "ParallelismConfig": "trainer_ext.distributed.mesh.config",
     "TorchTensorParallelConfig": "trainer_ext.distributed.mesh.config",
+    "context_parallel_batch": "trainer_ext.accelerator.context_parallel",
     "LocalSGD": "trainer_ext.accelerator.local_sgd",
     "find_executable_batch_size": "trainer_ext.accelerator.loop_helpers",
     "set_seed": "trainer_ext.accelerator.loop_helpers",
