@@ -18,6 +18,7 @@ from trainer_ext.distributed.mesh.context_parallel import Active, active
 from trainer_ext.errors import ConfigError
 
 NAME = "trainer_ext_context_parallel"
+_RAN_IN_REGION = "_trainer_ext_cp_forward"  # set on an attention module at each forward outside backward
 
 
 def _gather(tensor: torch.Tensor, region: Active) -> torch.Tensor:
@@ -74,8 +75,11 @@ def _check_positions(position_ids: torch.Tensor | None, region: Active) -> None:
     )
 
 
-def _mask(region: Active, batch: int, q_length: int, position_ids: Any, key_padding: Any, device: Any) -> torch.Tensor:
-    """[batch, 1, q_length, cp × q_length] booleans: which gathered keys each local query may attend to."""
+def _mask(
+    region: Active, batch: int, q_length: int, position_ids: Any, key_padding: Any, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, 1, q_length, cp × q_length] booleans: which gathered keys each local query may attend to; and
+    [batch, 1, q_length, 1]: False for the queries with no key (left padding), whose output SDPA makes 0."""
     length = q_length * region.split.cp_size
     q_index = region.split.indices(region.rank, length, device)
     k_index = region.split.gathered_indices(length, device)
@@ -87,8 +91,23 @@ def _mask(region: Active, batch: int, q_length: int, position_ids: Any, key_padd
     allowed = allowed & (document[:, q_index, None] == document[:, None, k_index])
     if key_padding is not None:
         allowed = allowed & _gather(key_padding.to(torch.uint8), region).bool()[:, None, :]
-    allowed = allowed | (k_index[None, :] == q_index[:, None])  # a padding query attends to itself: no NaN rows
-    return allowed[:, None]
+    some = allowed.any(-1, keepdim=True)
+    # a query with no key attends to itself (no NaN row on any kernel), and its output is zeroed
+    allowed = allowed | (~some & (k_index[None, :] == q_index[:, None]))
+    return allowed[:, None], some[:, None]
+
+
+def _check_recompute(module: torch.nn.Module, region: Active | None) -> None:
+    """Refuse activation checkpointing's recomputation of a layer that ran in a context-parallel region once the
+    region has exited: it would attend over this rank's slice alone (wrong gradients, or a shape error)."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    if region is None and in_backward and module.__dict__.get(_RAN_IN_REGION, False):
+        raise ConfigError(
+            f"activation checkpointing recomputed {type(module).__name__} after the context-parallel region "
+            "exited: call backward inside maybe_context_parallel (as the Trainer does)"
+        )
+    if not in_backward:
+        module.__dict__[_RAN_IN_REGION] = region is not None
 
 
 def attention(
@@ -104,6 +123,7 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns ([batch, length, heads, head_dim], None)."""
     region = active()
+    _check_recompute(module, region)
     if region is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -124,11 +144,12 @@ def attention(
     cached = region.cache.get("mask")
     if cached is None or cached[0] is not position_ids or cached[1] is not attention_mask:
         _check_positions(position_ids, region)
-        mask = _mask(region, query.shape[0], query.shape[2], position_ids, attention_mask, query.device)
-        region.cache["mask"] = cached = (position_ids, attention_mask, mask)
+        mask, some = _mask(region, query.shape[0], query.shape[2], position_ids, attention_mask, query.device)
+        region.cache["mask"] = cached = (position_ids, attention_mask, mask, some)
     keys = _gather_with_grad(key, region).repeat_interleave(groups, 1)
     values = _gather_with_grad(value, region).repeat_interleave(groups, 1)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=cached[2], dropout_p=dropout, scale=scaling)
+    out = out.masked_fill(~cached[3], 0.0)  # as SDPA on the whole sequence: a query with no key to attend to gives 0
     return out.transpose(1, 2).contiguous(), None
 
 
