@@ -1,9 +1,10 @@
 """The attention a context-parallel model runs, registered with transformers' ``AttentionInterface`` (and its mask
 interface) under one name. Outside a context-parallel region it is SDPA with transformers' own mask; inside one:
 
-- ``all_gather``: the ``cp`` ranks' keys and values are all-gathered with autograd, and the queries attend to them
-  under a mask built from global positions: causal, within one document (``position_ids`` resets, as in packed
-  batches) and over unpadded keys (the 2-D ``attention_mask``, gathered as well);
+- ``all_gather``: the ``cp`` ranks' keys and values are all-gathered with autograd and put in global order; each run
+  of consecutive local queries attends to the prefix of keys up to its last query (so the load-balanced split gives
+  every rank the same work) under one additive mask per forward, shared by every layer: causal, within one document
+  (``position_ids`` resets, as in packed batches) and over unpadded keys (the 2-D ``attention_mask``, gathered too);
 - ``torch``: SDPA with ``is_causal=True``, which torch's ``context_parallel`` turns into ring attention.
 """
 
@@ -75,26 +76,42 @@ def _check_positions(position_ids: torch.Tensor | None, region: Active) -> None:
     )
 
 
-def _mask(
-    region: Active, batch: int, q_length: int, position_ids: Any, key_padding: Any, device: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, 1, q_length, cp × q_length] booleans: which gathered keys each local query may attend to; and
-    [batch, 1, q_length, 1]: False for the queries with no key (left padding), whose output SDPA makes 0."""
+def _runs(q_index: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) of each run of consecutive global positions in this rank's local order."""
+    breaks = (torch.nonzero(q_index[1:] - q_index[:-1] != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, q_index.numel()]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _layout(
+    region: Active, batch: int, q_length: int, position_ids: Any, key_padding: Any, dtype: torch.dtype, device: Any
+) -> dict[str, Any]:
+    """What every layer of one forward shares: the permutation of gathered keys into global order, and per run of
+    local queries its key prefix and additive mask (causal, one document, unpadded keys); the queries with no key."""
     length = q_length * region.split.cp_size
     q_index = region.split.indices(region.rank, length, device)
-    k_index = region.split.gathered_indices(length, device)
-    allowed = (k_index[None, :] <= q_index[:, None]).expand(batch, -1, -1)
-    positions = _gather(position_ids.expand(batch, -1), region)
-    in_order = positions.index_select(1, torch.argsort(k_index))  # global order
-    previous = torch.cat([in_order[:, :1] - 1, in_order[:, :-1]], dim=1)
-    document = (in_order - previous != 1).cumsum(-1)  # transformers' rule: a new document where positions do not step
-    allowed = allowed & (document[:, q_index, None] == document[:, None, k_index])
+    order = torch.argsort(region.split.gathered_indices(length, device))
+    positions = _gather(position_ids.expand(batch, -1), region).index_select(1, order)  # global order
+    previous = torch.cat([positions[:, :1] - 1, positions[:, :-1]], dim=1)
+    document = (positions - previous != 1).cumsum(-1)  # transformers' rule: a new document where positions do not step
+    valid = None
     if key_padding is not None:
-        allowed = allowed & _gather(key_padding.to(torch.uint8), region).bool()[:, None, :]
-    some = allowed.any(-1, keepdim=True)
-    # a query with no key attends to itself (no NaN row on any kernel), and its output is zeroed
-    allowed = allowed | (~some & (k_index[None, :] == q_index[:, None]))
-    return allowed[:, None], some[:, None]
+        valid = _gather(key_padding.to(torch.uint8), region).index_select(1, order).bool()
+    runs, some = [], []
+    for start, end in _runs(q_index):
+        queries = q_index[start:end]
+        keys = int(queries[-1]) + 1  # a run attends to the prefix of the sequence up to its last query
+        k_index = torch.arange(keys, device=device)
+        allowed = (k_index[None, :] <= queries[:, None]) & (document[:, queries, None] == document[:, None, :keys])
+        if valid is not None:
+            allowed = allowed & valid[:, None, :keys]
+        has_key = allowed.any(-1, keepdim=True)
+        # a query with no key attends to itself (no NaN row on any kernel), and its output is zeroed after
+        allowed = allowed | (~has_key & (k_index[None, :] == queries[:, None]))
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        runs.append((start, end, keys, additive[:, None]))
+        some.append(has_key)
+    return {"order": order, "runs": runs, "some": torch.cat(some, dim=1)[:, None]}
 
 
 def _check_recompute(module: torch.nn.Module, region: Active | None) -> None:
@@ -141,15 +158,32 @@ def attention(
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
         return out.transpose(1, 2).contiguous(), None
     position_ids = kwargs.get("position_ids")
-    cached = region.cache.get("mask")
-    if cached is None or cached[0] is not position_ids or cached[1] is not attention_mask:
+    cached = region.cache.get("layout")
+    if cached is None or cached[0] is not position_ids or cached[1] is not attention_mask or cached[2] != query.dtype:
         _check_positions(position_ids, region)
-        mask, some = _mask(region, query.shape[0], query.shape[2], position_ids, attention_mask, query.device)
-        region.cache["mask"] = cached = (position_ids, attention_mask, mask, some)
-    keys = _gather_with_grad(key, region).repeat_interleave(groups, 1)
-    values = _gather_with_grad(value, region).repeat_interleave(groups, 1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=cached[2], dropout_p=dropout, scale=scaling)
-    out = out.masked_fill(~cached[3], 0.0)  # as SDPA on the whole sequence: a query with no key to attend to gives 0
+        shape = (query.shape[0], query.shape[2])
+        layout = _layout(region, *shape, position_ids, attention_mask, query.dtype, query.device)
+        region.cache["layout"] = cached = (position_ids, attention_mask, query.dtype, layout)
+    layout = cached[3]
+    keys = _gather_with_grad(key, region).index_select(2, layout["order"])  # global order
+    values = _gather_with_grad(value, region).index_select(2, layout["order"])
+    # key/value heads stay shared (not repeated per query head) where SDPA's CPU kernel takes grouped heads
+    grouped = {"enable_gqa": True} if groups > 1 and query.device.type == "cpu" else {}
+    if groups > 1 and not grouped:
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            keys[:, :, :prefix],
+            values[:, :, :prefix],
+            attn_mask=additive,
+            dropout_p=dropout,
+            scale=scaling,
+            **grouped,
+        )
+        for start, end, prefix, additive in layout["runs"]
+    ]
+    out = torch.cat(outs, dim=2).masked_fill(~layout["some"], 0.0)  # as SDPA: a query with no key to attend to gives 0
     return out.transpose(1, 2).contiguous(), None
 
 
