@@ -4,10 +4,13 @@
     python -m torch.distributed.run --nproc_per_node 2 -m tests.with_trl.trl_job ...
     trainer-ext launch --cpu --num_processes 2 tests/with_trl/trl_job.py ...
     python -m tests.with_trl.trl_job --trainer sft --impl ours --lora --out DIR   (peft_config=LoraConfig(...))
+    ... --cp_size 2 [--parallelism_config trainer_ext|dict|accelerate]   (SFTConfig(..., parallelism_config=...))
 
 The script is what a user writes from TRL's quick starts; the one line that differs between ``stock`` and ``ours`` is
 ``Trainer = adapt(Trainer)``. Rank 0 writes ``DIR/result.json`` (per-step losses, learning rates, the engine's class)
-and the final weights (``DIR/final/model.safetensors``).
+and the final weights (``DIR/final/model.safetensors``). ``--cp_size`` passes ``parallelism_config`` as a TRL user does
+(``trainer_ext.ParallelismConfig`` by default); the result then also records the attention the model ran and the
+sequence length of each training forward on rank 0 (context parallelism splits it).
 """
 
 from __future__ import annotations
@@ -96,9 +99,24 @@ def model(kind: str, vocab_size: int, pad_id: int, seed: int = 0):  # noqa: ANN2
     return (LlamaForSequenceClassification if kind == "reward" else LlamaForCausalLM)(config)
 
 
-def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batch: int, lora: bool = False):  # noqa: ANN201
+def parallelism_config(cp_size: int, kind: str):  # noqa: ANN201
+    """``ParallelismConfig(cp_size=...)`` as a script passes it: accelerate's class, trainer_ext's, or a plain dict."""
+    if kind == "dict":
+        return {"cp_size": cp_size}
+    if kind == "accelerate":
+        from accelerate import ParallelismConfig
+    else:
+        from trainer_ext import ParallelismConfig
+    return ParallelismConfig(cp_size=cp_size)
+
+
+def build(  # noqa: ANN201
+    kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batch: int, lora: bool = False,
+    parallelism: object = None,
+):  # fmt: skip
     """The trainer a TRL quick start builds, with ``adapt`` as the only change for ``ours``; ``lora``: TRL's PEFT
-    quick start, ``peft_config=LoraConfig(...)`` (TRL wraps the model itself)."""
+    quick start, ``peft_config=LoraConfig(...)`` (TRL wraps the model itself); ``parallelism``: the config's
+    ``parallelism_config`` (left unset when None)."""
     import trl
 
     tok = tokenizer()
@@ -107,6 +125,8 @@ def build(kind: str, impl: str, out: Path, max_steps: int, save_steps: int, batc
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_steps=save_steps,
         report_to="none", seed=42, bf16=False, dataloader_drop_last=True,
     )  # fmt: skip
+    if parallelism is not None:
+        common["parallelism_config"] = parallelism
     if kind.startswith("sft"):
         Trainer, config = trl.SFTTrainer, trl.SFTConfig
         extra = dict(max_length=32, packing=kind == "sft_packing", assistant_only_loss=kind == "sft_messages")
@@ -141,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per_device_train_batch_size", type=int, default=4)
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft_config=LoraConfig(...))")
+    parser.add_argument("--cp_size", type=int, default=None, help="parallelism_config=ParallelismConfig(cp_size=N)")
+    parser.add_argument("--parallelism_config", choices=("trainer_ext", "dict", "accelerate"), default="trainer_ext")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import TrainerCallback
@@ -148,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build(
         options.trainer, options.impl, options.out, options.max_steps, options.save_steps,
         options.per_device_train_batch_size, options.lora,
+        None if options.cp_size is None else parallelism_config(options.cp_size, options.parallelism_config),
     )  # fmt: skip
+    lengths: list[int] = []  # the sequence length of each training forward on this rank
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        if module.training:
+            lengths.append(int(args[0].shape[-1]))
+
+    trainer.model.get_input_embeddings().register_forward_pre_hook(record)
     trained: list[int] = []  # the optimizer steps this run took (a resumed run starts after its checkpoint)
 
     class Steps(TrainerCallback):
@@ -174,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
             "trained_steps": trained,
             "files": sorted(str(f.relative_to(options.out)) for f in options.out.rglob("*") if f.is_file()),
+            "metrics": {  # what TRL's trainers log beside the loss (token counts, entropy, accuracy, DPO's rewards)
+                str(e["step"]): {k: v for k, v in e.items() if k not in ("loss", "learning_rate", "step", "epoch")}
+                for e in history
+                if "loss" in e
+            },
+            "attn_implementation": trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation,
+            "train_lengths": lengths,
         }
         (options.out / "result.json").write_text(json.dumps(result, indent=1, sort_keys=True))
     return 0
