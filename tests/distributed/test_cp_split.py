@@ -221,3 +221,16 @@ def test_a_model_is_checked_by_its_configuration_and_its_modules() -> None:
     with pytest.raises(ConfigError) as error:
         check_model(model, 2)
     assert "LlamaForCausalLM has bidirectional attention layers" in one_line(error)
+
+
+def test_a_head_that_reads_whole_sequences_is_refused() -> None:
+    """A sequence-classification head (TRL's reward model) pools one token of each row: a rank's slice holds another."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, pad_token_id=0
+    )
+    model = transformers.LlamaForSequenceClassification(config)
+    assert why_not(config) is None  # the configuration alone is a causal decoder's
+    with pytest.raises(ConfigError) as error:
+        check_model(model, 2)
+    assert "LlamaForSequenceClassification reads whole sequences" in one_line(error)
+    check_model(transformers.LlamaForCausalLM(config), 2)

@@ -228,3 +228,24 @@ def test_no_mesh_for_one_process() -> None:
     assert pc.get_device_mesh("cpu") is None and pc.build_device_mesh("cpu") is None
     with pytest.raises(ConfigError, match="pass device_type"):
         pc.get_device_mesh()
+
+
+def test_an_accelerate_config_object_takes_our_auto_cp_backend() -> None:
+    """accelerate's ParallelismConfig always says cp_backend='torch' (its only choice): taken as ours it is 'auto', so
+    the same object runs torch's ring attention on CUDA and ours elsewhere instead of being refused off CUDA."""
+    from types import SimpleNamespace
+
+    from trainer_ext.distributed.mesh.setup import as_parallelism_config
+
+    theirs = SimpleNamespace(
+        dp_replicate_size=1,
+        dp_shard_size=1,
+        tp_size=1,
+        cp_size=2,
+        cp_backend="torch",
+        sp_size=1,
+        sp_backend="deepspeed",
+    )
+    ours = as_parallelism_config(theirs)
+    assert (ours.cp_size, ours.cp_backend) == (2, "auto")
+    assert as_parallelism_config({"cp_size": 2, "cp_backend": "torch"}).cp_backend == "torch"  # a dict is ours: kept

@@ -8,8 +8,8 @@ trainer_ext.ParallelismConfig(cp_size=2))`` (or a dict), or only the launcher's 
 context-parallel attention on half of each (padded) sequence, TRL's fused LM head scores the ``shift_labels`` the Trainer
 built before the split; measured on CPU fp32, losses within 6.6e-8 relative and final weights within 7.3e-8.
 TRL refuses packing with cp in its own line even when cp comes only from the launcher (trl#6843's hole). DPO and the
-reward model cannot train exactly under cp (their losses read whole sequences); the xfail tests state the refusal
-they should meet (see each).
+reward model cannot train exactly under cp (their losses read whole sequences): each is refused in one ConfigError
+line before its first step. TRL's token metrics, gathered inside the split, count every cp rank's slice.
 """
 
 from __future__ import annotations
@@ -167,23 +167,6 @@ def test_trl_refuses_packing_when_cp_comes_only_from_the_launcher() -> None:
     assert "'loss'" not in outcome.output  # no step logged
 
 
-def test_dpo_under_cp_stops_before_its_first_step() -> None:
-    """DPO's loss sums each sequence's log-probabilities before a non-linear function: a cp slice cannot give it,
-    and TRL computes its labels from the whole ``completion_mask`` (not split). It does not train: today it stops at
-    the first step in TRL's ``_compute_loss`` with a shape mismatch (see the xfail below for the refusal it should
-    meet instead)."""
-    outcome = _configured("dpo", "dpo", "--parallelism_config", "dict", "--max_steps", "2")
-    assert not outcome.ok, "DPO trained under cp_size=2"
-    assert _failure_lines(outcome), outcome.output[-8000:]
-    assert "in training_step" in outcome.output  # past its configuration (the dict parallelism_config taken) ...
-    assert "'loss'" not in outcome.output  # ... and stopped at the first step
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer_ext gap (issue 43): a batch without labels (DPO's) is split anyway and TRL's _compute_loss fails "
-    "with 'RuntimeError: The size of tensor a (14) must match the size of tensor b (8)'; the Trainer should refuse it",
-)
 def test_dpo_under_cp_is_refused_in_one_config_error_line() -> None:
     outcome = _configured("dpo", "dpo", "--parallelism_config", "dict", "--max_steps", "2")
     assert not outcome.ok
@@ -191,11 +174,6 @@ def test_dpo_under_cp_is_refused_in_one_config_error_line() -> None:
     assert errors and all(CP_REFUSAL.match(line) for line in errors), errors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer_ext bug (issue 43): a sequence-classification model (TRL's reward model) passes "
-    "cp_model.check_model and trains under cp, pooling each rank's slice: step-1 loss 0.7206 vs 0.6949 on one process",
-)
 def test_a_reward_model_under_cp_is_refused_not_trained_wrongly() -> None:
     outcome = _configured("reward", "reward", "--max_steps", "2", "--save_steps", "100")
     losses = outcome.result and _losses(outcome.result)
@@ -204,11 +182,6 @@ def test_a_reward_model_under_cp_is_refused_not_trained_wrongly() -> None:
     assert errors and all(CP_REFUSAL.match(line) for line in errors), errors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer_ext gap (issue 43): gather_for_metrics keeps one rank of each cp group (Engine.same_batch_size = "
-    "tp x cp), so TRL's metrics computed on a cp slice inside compute_loss log rank 0's half: num_tokens 16 vs 32",
-)
 def test_trl_token_metrics_under_cp_count_the_whole_sequences() -> None:
     """TRL gathers its token counts, entropy and accuracy with ``gather_for_metrics`` inside ``compute_loss``, on the
     cp slice (accelerate gathers every process; TRL: 'Context and sequence parallelism shard the batch before the loss

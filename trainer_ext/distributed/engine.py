@@ -22,6 +22,7 @@ from trainer_ext.distributed.data.loader import shard_dataloader
 from trainer_ext.distributed.engine_names import AccelerateNames
 from trainer_ext.distributed.mesh import cp_attention, cp_model
 from trainer_ext.distributed.mesh import setup as mesh_setup
+from trainer_ext.distributed.mesh.context_parallel import active as cp_active
 from trainer_ext.distributed.mesh.context_parallel import context_parallel, resolve_backend
 from trainer_ext.distributed.mesh.device_mesh import build_parallel_mesh
 from trainer_ext.distributed.optimizer import EngineOptimizer, OptimizerPlaceholder
@@ -393,11 +394,14 @@ class Engine(AccelerateNames):
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather from the data-parallel ranks (one of each group that saw the same batch), then drop the duplicated
-        samples that completed the last round of the loader."""
+        """Gather from the data-parallel ranks (one of each group that saw the same batch; every rank of a cp group
+        inside its split, where each holds a slice), then drop the duplicated samples that completed the loader's
+        last round."""
         state = self.gradient_state
         cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
         every = self.same_batch_size
+        if cp_active() is not None:  # inside the split each cp rank holds a slice: gather all of them
+            every //= self.parallelism_config.cp_size
         if use_gather_object or not _has_tensor(input_data):
             data = collectives.gather_object(input_data, every=every)
             return data[:cut] if cut is not None and isinstance(data, list) else data

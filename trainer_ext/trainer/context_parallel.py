@@ -40,6 +40,12 @@ class ContextParallelMixin:
         engine = self.accelerator
         if getattr(engine, "cp_backend", None) is None:
             return contextlib.nullcontext, inputs
+        if inputs.get("labels") is None and inputs.get("shift_labels") is None:
+            raise ConfigError(
+                f"context parallelism splits a batch along the sequence, and this batch has no labels for a per-token "
+                f"loss (keys: {', '.join(sorted(inputs))}): a loss over whole sequences (preference pairs, rewards) "
+                "cannot be computed from a rank's slice; train it with cp_size=1"
+            )
         split = SequenceSplit(engine.parallelism_config.cp_size)
         batch, buffers = prepare_batch(inputs, split, engine.cp_backend)
         context = functools.partial(

@@ -57,11 +57,33 @@ def why_not(model_or_config: Any) -> str | None:
     return None
 
 
+def _whole_sequence_head(model: Any) -> str | None:
+    """The class name of a head that pools or reads whole sequences (classification, QA, multiple choice), or None."""
+    from transformers.models.auto import modeling_auto
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own
+    name = type(inner).__name__
+    for mapping in _WHOLE_SEQUENCE_MAPPINGS:
+        if name in getattr(modeling_auto, mapping, {}).values():
+            return name
+    return None
+
+
+_WHOLE_SEQUENCE_MAPPINGS = (
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+)
+
+
 def check_model(model_or_config: Any, cp_size: int) -> None:
     """ConfigError naming the model and the reason when context parallelism (``cp_size`` > 1) cannot train it."""
     reason = why_not(model_or_config)
     if reason is None and hasattr(model_or_config, "config"):
-        if getattr(model_or_config, "_supports_attention_backend", True) is False:
+        head = _whole_sequence_head(model_or_config)
+        if head is not None:
+            reason = f"{head} reads whole sequences (a pooled or per-sequence head), and each rank holds a slice"
+        elif getattr(model_or_config, "_supports_attention_backend", True) is False:
             reason = f"{type(model_or_config).__name__} does not route its attention through AttentionInterface"
         elif any(getattr(m, "is_causal", True) is False for m in model_or_config.modules()):
             reason = f"{type(model_or_config).__name__} has bidirectional attention layers; the context-parallel mask is causal"

@@ -35,7 +35,10 @@ def as_parallelism_config(value: Any, *, from_launch: bool = True) -> Parallelis
             raise ConfigError(f"parallelism_config has no field {unknown[0]!r}: its fields are {', '.join(_FIELDS)}")
         return ParallelismConfig(**value)
     if all(hasattr(value, name) for name in ("tp_size", "dp_shard_size", "dp_replicate_size")):
-        return ParallelismConfig(**{name: getattr(value, name) for name in _FIELDS if hasattr(value, name)})
+        taken = {name: getattr(value, name) for name in _FIELDS if hasattr(value, name)}
+        if taken.get("cp_backend") == "torch":
+            taken["cp_backend"] = "auto"  # accelerate's only choice, not a choice: ours picks torch on CUDA too
+        return ParallelismConfig(**taken)
     raise ConfigError(
         f"parallelism_config must be a ParallelismConfig (trainer_ext's or accelerate's) or a dict of its sizes, "
         f"got {type(value).__name__}"
