@@ -6,7 +6,8 @@
 Steps (each its own process, time-boxed; one that fails, hangs or skips does not stop the rest):
 ``env`` (versions, the GPU, trainer_ext imports without accelerate), ``precision`` (a ~110M Llama in bf16 and fp16,
 trainer_ext.Trainer vs transformers' Trainer), ``sharded`` (FSDP2, ZeRO-2, ZeRO-3 on one launched process: save and
-exact resume), ``dispatch`` (``dispatch_model`` over a GPU budget smaller than the model), ``fp8`` (torchao float8
+exact resume), ``dispatch`` (``dispatch_model`` over a GPU budget smaller than the model), ``context_parallel``
+(torch's ring attention and ours on a 1-rank mesh against plain SDPA), ``fp8`` (torchao float8
 vs bf16), ``estimate`` (``trainer-ext estimate --measure``), ``tests`` (the tests marked gpu and a CUDA pass of the
 device-sensitive tests) and ``throughput_1b`` (a 1.1B Llama, bf16, sequence 2048, eager and ``torch.compile``:
 tokens/s, MFU, peak memory, ours vs stock). docs/gpu.md says how to run it on a lent machine.
