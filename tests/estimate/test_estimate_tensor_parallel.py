@@ -81,7 +81,7 @@ def test_the_mesh_is_printed(tmp_path, capsys):
     ("argv", "words"),
     [
         (["--task", "causal-lm", "--num_processes", "4", "--tp_size", "2"], "but the job has 4"),
-        (["--task", "causal-lm", "--cp_size", "2"], "context parallelism is not supported yet"),
+        (["--cp_size", "2"], "cp_size 2: context parallelism splits causal language models' sequences"),
         (["--task", "causal-lm", "--tp_size", "4"], "needs num_key_value_heads (2) of the model divisible by 4"),
         (["--tp_size", "2"], "bert model without a tensor-parallel plan"),
         (

@@ -27,6 +27,7 @@ from trainer_ext.job.model_limits import check_job_config, check_model_config
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
 # the mesh's sizes: checked against --num_processes here, not against this one process by TrainingArguments
 PARALLEL_FLAGS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+PARALLEL_OPTIONS = (*PARALLEL_FLAGS, "cp_backend")
 ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
 
@@ -87,7 +88,7 @@ def _parse(argv: Sequence[str], num_processes: int | None, fit: bool = True) -> 
     num_processes = world if fit or num_processes is None else num_processes
     check_combinations(values, num_processes)
     built = dict(values)
-    for name in TARGET_FLAGS + PARALLEL_FLAGS:
+    for name in TARGET_FLAGS + PARALLEL_OPTIONS:
         built[name] = parser.get_default(name)
     return values, TrainJobArguments(**built), config, num_processes
 
@@ -160,19 +161,21 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
 def parallel_sizes(values: dict[str, Any], num_processes: int | None) -> tuple[Any, int]:
     """The job's ``ParallelismConfig`` fitted to the processes (None without sizes) and the number of processes:
     ``num_processes`` when given, else the sizes' product. ConfigError as ``launch`` refuses: sizes that do not
-    multiply to the processes, cp_size above 1, tensor parallelism with DeepSpeed."""
+    multiply to the processes, tensor or context parallelism with DeepSpeed."""
     from trainer_ext.job.parallel import fitted, parallelism_from_sizes
 
-    config = parallelism_from_sizes({name: values.get(name) for name in PARALLEL_FLAGS})
+    config = parallelism_from_sizes({name: values.get(name) for name in PARALLEL_FLAGS}, values.get("cp_backend"))
     world = num_processes if num_processes is not None else (config.total_size if config else 1)
     if config is None:
         return None, world
     config = fitted(config, world)
-    if config.tp_size > 1 and values.get("deepspeed"):
-        raise ConfigError(
-            f"--tp_size {config.tp_size} with --deepspeed: tensor parallelism runs on FSDP2 or alone; drop "
-            "--deepspeed (use --dp_shard_size to shard the rest) or set --tp_size 1"
-        )
+    for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
+        size = getattr(config, name)
+        if size > 1 and values.get("deepspeed"):
+            raise ConfigError(
+                f"--{name} {size} with --deepspeed: {what} parallelism runs on FSDP2 or alone; drop --deepspeed "
+                f"(use --dp_shard_size to shard the rest) or set --{name} 1"
+            )
     return config, world
 
 
@@ -194,25 +197,42 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
     if num_processes is not None and num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1, got {num_processes}")
     values, args, config, num_processes = _parse(argv, num_processes)
+    notes: list[str] = []
     if config is not None:
+        from trainer_ext.job.parallel import check_cp_job
+
         args.tp_size = config.tp_size  # a vocabulary from scratch is padded for it, as train pads it
-    model, seq_len, notes = build_meta_model(args)
+        notes += check_cp_job(vars(args), config.cp_size)  # the task, before the data is read
+    model, seq_len, built_notes = build_meta_model(args)
+    notes += built_notes
     if config is not None and config.tp_size > 1:
         check_tp_model(model, config.tp_size, "the model", vocab=bool(args.model_name_or_path))
+    if config is not None and config.cp_size > 1:
+        from trainer_ext.job.parallel import check_model_for_cp
+
+        check_model_for_cp(model, config.cp_size, "the model")
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "optim": getattr(args.optim, "value", args.optim),
         "optim_args": args.optim_args,
-        **({name: getattr(config, name) for name in PARALLEL_FLAGS} if config is not None else {}),
+        **({name: getattr(config, name) for name in PARALLEL_OPTIONS} if config is not None else {}),
     }
     mesh = ""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the machine --measure runs on
     if config is not None:
         from trainer_ext.distributed.mesh.setup import describe as mesh_text
         from trainer_ext.job.parallel import data_parallel_ranks
 
         ranks = data_parallel_ranks(config)
         mesh = f"{mesh_text(config)} ({ranks} data-parallel rank{'s' * (ranks > 1)})"
-    setup = setup_from_values(filled, num_processes, seq_len)
+        if config.cp_size > 1:
+            from trainer_ext.estimate.setup import estimated_backend
+
+            used = estimated_backend(config.cp_backend, device)
+            mesh += f"; context-parallel attention {used}" + (
+                f" ({config.cp_backend})" if used != config.cp_backend else ""
+            )
+    setup = setup_from_values(filled, num_processes, seq_len, device_type=device)
     return Job(ModelShape.from_model(model), setup, args, tuple(notes), mesh)

@@ -67,6 +67,9 @@ class Setup:
     optimizer_factored: bool = False  # Adafactor: state per factored element (ModelShape.factored_trainable)
     replicate: int = 1  # FSDP hybrid sharding: replicas, each sharding over world_size // (replicate * tp_size)
     tp_size: int = 1  # tensor parallelism: ranks that split each layer and see the same batch
+    cp_size: int = 1  # context parallelism: ranks that split each sequence and see the same batch
+    cp_backend: str = "all_gather"  # the context-parallel attention: all_gather (ours) or torch (ring attention)
+    device_type: str = "cpu"  # where the job runs: all_gather keeps grouped key/value heads on CPU, repeated on CUDA
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -78,20 +81,33 @@ class Setup:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different batches: the world over the tensor-parallel ranks."""
-        return max(self.world_size // max(self.tp_size, 1), 1)
+        """Ranks that see different batches: the world over the tensor- and context-parallel ranks."""
+        return max(self.world_size // max(self.tp_size * self.cp_size, 1), 1)
+
+    @property
+    def padded_seq_len(self) -> int:
+        """The sequence length the ranks split: under context parallelism padded to a multiple of ``2 × cp_size``."""
+        if self.cp_size <= 1:
+            return self.seq_len
+        return -(-self.seq_len // (2 * self.cp_size)) * 2 * self.cp_size
+
+    @property
+    def local_seq_len(self) -> int:
+        """Positions of each sequence one rank holds: all of them, or under context parallelism its 2 of the
+        ``2 × cp_size`` chunks."""
+        return self.padded_seq_len // max(self.cp_size, 1)
 
     @property
     def mesh(self) -> str:
-        """The mesh as ``dp_replicate 2 x dp_shard 2 x tp 2`` (dimensions above 1); '' without tensor parallelism or
-        a replicated FSDP."""
-        if self.tp_size <= 1 and not (self.strategy == "fsdp" and self.replicate > 1):
+        """The mesh as ``dp_replicate 2 x dp_shard 2 x cp 2 x tp 2`` (dimensions above 1); '' without tensor or
+        context parallelism or a replicated FSDP."""
+        if self.tp_size <= 1 and self.cp_size <= 1 and not (self.strategy == "fsdp" and self.replicate > 1):
             return ""
-        if self.strategy == "fsdp":
-            dims = (("dp_replicate", self.replicate), ("dp_shard", self.shards))
+        if self.strategy == "fsdp":  # FSDP2 shards over dp_shard x cp: the shards hold cp_size of each dp_shard
+            dims = (("dp_replicate", self.replicate), ("dp_shard", self.shards // max(self.cp_size, 1)))
         else:
             dims = (("dp_replicate", self.data_parallel),)
-        dims += (("tp", self.tp_size),)
+        dims += (("cp", self.cp_size), ("tp", self.tp_size))
         return " x ".join(f"{name} {size}" for name, size in dims if size > 1)
 
     @property
@@ -120,9 +136,11 @@ class Setup:
             name += f" (offload {', '.join(offloads)})" if offloads else ""
         else:
             name = self.strategy.upper() if self.strategy == "ddp" else "single process"
-        if self.tp_size > 1:
-            name = f"tensor parallel {self.tp_size}" + ("" if self.data_parallel == 1 else f" x {name}")
-            name += f" (mesh {self.mesh})"
+        if self.tp_size > 1 or self.cp_size > 1:
+            parts = [f"tensor parallel {self.tp_size}"] if self.tp_size > 1 else []
+            parts += [f"context parallel {self.cp_size} ({self.cp_backend})"] if self.cp_size > 1 else []
+            parts += [name] if self.data_parallel > 1 or self.shards > 1 else []
+            name = " x ".join(parts) + f" (mesh {self.mesh})"
         precision = {"no": "fp32"}.get(self.precision, self.precision)
         ckpt = ", activation checkpointing" if self.checkpointing else ""
         return (
@@ -171,11 +189,23 @@ def fsdp_options(settings: Any, world_size: int) -> dict[str, Any]:
     )
 
 
-def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsdp_settings: Any = None) -> Setup:
+def estimated_backend(requested: str | None, device_type: str = "cpu") -> str:
+    """The context-parallel attention ``device_type`` runs for ``requested``: ``auto`` is torch's ring attention on
+    CUDA, all_gather elsewhere."""
+    requested = requested or "auto"
+    if requested != "auto":
+        return requested
+    return "torch" if device_type == "cuda" else "all_gather"
+
+
+def setup_from_values(
+    values: dict[str, Any], world_size: int, seq_len: int, fsdp_settings: Any = None, device_type: str | None = None
+) -> Setup:
     """The Setup of a ``trainer-ext train`` job from its flag values (after defaults were filled in).
 
     ``fsdp_settings``: the job's :class:`FSDPSettings` when already read (``train``'s start-up); else they are read
-    from the ``fsdp``/``fsdp_config`` values."""
+    from the ``fsdp``/``fsdp_config`` values. ``device_type``: where the job runs (default cpu), which decides the
+    context-parallel attention ``auto`` stands for."""
     from trainer_ext.distributed.strategies.fsdp.config import fsdp_requested, parse_fsdp
 
     precision = "bf16" if values.get("bf16") else "fp16" if values.get("fp16") else "no"
@@ -192,15 +222,20 @@ def setup_from_values(values: dict[str, Any], world_size: int, seq_len: int, fsd
         settings = fsdp_settings or parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
         options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
-    tp_size = int(values.get("tp_size") or 1)
+    tp_size, cp_size = int(values.get("tp_size") or 1), int(values.get("cp_size") or 1)
     dp_shard, dp_replicate = int(values.get("dp_shard_size") or 1), int(values.get("dp_replicate_size") or 1)
-    if dp_shard > 1 and strategy != "fsdp":  # a mesh with a shard dimension runs FSDP2 over it
+    if (dp_shard > 1 or cp_size > 1) and strategy != "fsdp":  # FSDP2 runs over a mesh's dp_shard x cp
         strategy = "fsdp"
         settings = parse_fsdp("full_shard", values.get("fsdp_config"))
         options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
-    if strategy == "fsdp" and (dp_shard > 1 or tp_size > 1):
+    if strategy == "fsdp" and (dp_shard > 1 or tp_size > 1 or cp_size > 1):
         options["replicate"] = dp_replicate
+    if cp_size > 1:
+        device = device_type or "cpu"
+        options.update(
+            cp_size=cp_size, cp_backend=estimated_backend(values.get("cp_backend"), device), device_type=device
+        )
     optim = values.get("optim") or "adamw_torch"
     return Setup(
         strategy=strategy,

@@ -66,14 +66,17 @@ def setup_for(args: Any, world_size: int, seq_len: int):
         gradient_checkpointing=getattr(args, "gradient_checkpointing", None),
         deepspeed=args.deepspeed,
     )
-    config = getattr(args, "parallelism_config", None)  # the mesh's sizes: TP splits layers, dp_shard runs FSDP2
+    # the mesh's sizes: TP splits layers, CP sequences, dp_shard x cp runs FSDP2
+    config = getattr(args, "parallelism_config", None)
     if config is not None:
         values.update(
-            {f"{name}_size": getattr(config, f"{name}_size", 1) for name in ("dp_replicate", "dp_shard", "tp")}
+            {f"{name}_size": getattr(config, f"{name}_size", 1) for name in ("dp_replicate", "dp_shard", "tp", "cp")}
         )
+        values["cp_backend"] = getattr(config, "cp_backend", None)
     plugin = getattr(args, "fsdp_plugin_args", None)
     settings = FSDPSettings.from_dict(plugin) if plugin is not None else None
-    return setup_from_values(values, world_size, seq_len, fsdp_settings=settings)
+    device = getattr(getattr(args, "device", None), "type", None) or "cpu"
+    return setup_from_values(values, world_size, seq_len, fsdp_settings=settings, device_type=device)
 
 
 def startup_estimate(trainer: Any) -> str | None:
