@@ -291,13 +291,20 @@ EXAMPLE = ["--config", str(ROOT / "configs" / "examples" / "causal_lm.yaml")]
             ["--num_processes", "8", "--dp_shard_size", "2", "--tp_size", "2", "--dp_replicate_size", "2",
              "--fsdp_config", "configs/fsdp/full_shard.yaml", "--cpu"],
         ),
+        ("cp.sh", {}, [], ["--num_processes", "2", "--cp_size", "2", "--gpu_ids", "all"]),
+        (
+            "cp.sh",
+            {"CP": "4", "DP_SHARD": "2", "CP_BACKEND": "all_gather", "DEVICE": "cpu", "DRY_RUN": "1"},
+            ["--task", "causal-lm"],
+            ["--num_processes", "8", "--cp_size", "4", "--dp_shard_size", "2", "--cp_backend", "all_gather", "--cpu"],
+        ),
     ],
 )  # fmt: skip
 def test_tensor_parallel_scripts_build_the_launch_command(
     tmp_path: Path, launch_config, script, env, args, launch_options
 ) -> None:
-    """The argv tp.sh and fsdp_tp.sh give `trainer-ext`: the sizes, the process count they multiply to, and the
-    causal-LM example as the job unless the arguments name a config, a model or a task."""
+    """The argv tp.sh, fsdp_tp.sh and cp.sh give `trainer-ext`: the sizes, the process count they multiply to, and
+    the causal-LM example as the job unless the arguments name a config, a model or a task."""
     environ = _stand_ins(tmp_path, launch_config, **{"trainer-ext": RECORD_ARGV})
     proc = _script(script, *args, "--max_steps", "3", env={**environ, **env})
     assert proc.returncode == 0, proc.stderr
@@ -306,7 +313,10 @@ def test_tensor_parallel_scripts_build_the_launch_command(
     assert (tmp_path / "log" / "argv").read_text().splitlines() == expected
 
 
-@pytest.mark.parametrize(("script", "variable"), [("tp.sh", "TP"), ("fsdp_tp.sh", "DP_SHARD"), ("fsdp_tp.sh", "TP")])
+@pytest.mark.parametrize(
+    ("script", "variable"),
+    [("tp.sh", "TP"), ("fsdp_tp.sh", "DP_SHARD"), ("fsdp_tp.sh", "TP"), ("cp.sh", "CP"), ("cp.sh", "DP_SHARD")],
+)
 def test_tensor_parallel_scripts_refuse_a_size_that_is_no_count(
     tmp_path: Path, launch_config, script, variable
 ) -> None:
@@ -323,6 +333,18 @@ def test_fsdp_tp_script_dry_run_shows_the_mesh(launch_config) -> None:
     command = proc.stdout.split("command:")[1]
     assert "PARALLELISM_CONFIG_TP_SIZE=2" in command and "--nproc_per_node 4" in command
     assert command.strip().endswith("--max_steps 3 --use_cpu --dp_shard_size 2 --tp_size 2")
+
+
+def test_cp_script_dry_run_shows_the_mesh_and_a_bert_job_is_refused(launch_config) -> None:
+    proc = _script("cp.sh", "--max_steps", "3", env=_environment(launch_config, DEVICE="cpu", DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh: cp 2 (1 data-parallel rank; context-parallel attention all_gather (auto);" in proc.stdout
+    command = proc.stdout.split("command:")[1]
+    assert "PARALLELISM_CONFIG_CP_SIZE=2" in command and "--nproc_per_node 2" in command
+    assert command.strip().endswith("--max_steps 3 --use_cpu --cp_size 2")
+    proc = _script("cp.sh", "--task", "sequence-classification", env=_environment(launch_config, DEVICE="cpu"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "cp_size 2: context parallelism splits causal language models' sequences" in proc.stderr
 
 
 # a fine-tuning job on the example's corpus; the model comes from --model_name_or_path
@@ -358,16 +380,19 @@ def lm_to_fine_tune(tmp_path_factory, launch_config) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("script", "reference", "batch"), [("tp.sh", "cpu.sh", "32"), ("fsdp_tp.sh", "multi_cpu.sh", "16")]
+    ("script", "reference", "batch"),
+    [("tp.sh", "cpu.sh", "32"), ("fsdp_tp.sh", "multi_cpu.sh", "16"), ("cp.sh", "cpu.sh", "32")],
 )
 def test_tensor_parallel_scripts_fine_tune_as_data_parallelism(
     tmp_path: Path, lm_to_fine_tune, launch_config, script: str, reference: str, batch: str
 ) -> None:
     """tp.sh (tp 2: 2 CPU processes share each batch of 32) ends with the weights of one process on that batch;
     fsdp_tp.sh (dp_shard 2 x tp 2: 4 processes, 2 batches of 16) with those of DDP on 2 ranks, which reads the
-    batches in the same order. float32, 30 AdamW steps at 2e-3: the row-wise sums of TP add in another order, and
-    Adam's step divides such differences by the root of small second moments; measured 4.2e-5 and 4.6e-5 on this
-    padded row (0.7e-6 to 1.1e-6 on three others)."""
+    batches in the same order; cp.sh (cp 2: 2 CPU processes share each batch of 32, each holding half of every
+    sequence) with one process's too. float32, 30 AdamW steps at 2e-3: the row-wise sums of TP add in another order,
+    and Adam's step divides such differences by the root of small second moments; measured 4.2e-5 and 4.6e-5 on this
+    padded row (0.7e-6 to 1.1e-6 on three others); cp.sh 5.8e-5 (attention over gathered keys sums in another order),
+    eval loss 2.4e-7."""
     args = [*FINE_TUNE, "--model_name_or_path", str(lm_to_fine_tune), "--per_device_train_batch_size", batch]
     single, parallel = tmp_path / "reference", tmp_path / "parallel"
     _run(reference, *args, "--output_dir", str(single), NPROC="2", launch_config=launch_config)
