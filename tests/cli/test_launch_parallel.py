@@ -377,3 +377,12 @@ def test_the_dry_run_shows_the_mesh_with_cp_and_notes_idle_ranks(capsys):
     ]
     assert "PARALLELISM_CONFIG_CP_SIZE=2" in out and "PARALLELISM_CONFIG_CP_BACKEND=auto" in out
     assert "  - max_seq_length 1 with cp_size 2: each sequence is padded to 4 positions" in out
+
+
+def test_the_shipped_fsdp_cp_launch_config():
+    settings, plan, _ = prepare(["--config_file", str(ROOT / "configs" / "launch" / "fsdp_cp.yaml"), *CAUSAL])
+    assert (settings.world_size, settings["device"]) == (4, "cpu")
+    assert plan.parallel.line().startswith(
+        "mesh: dp_shard 2 x cp 2 (2 data-parallel ranks; context-parallel attention all_gather (auto); "
+    )
+    assert plan.command[-6:] == ["--dp_shard_size", "2", "--cp_size", "2", "--cp_backend", "auto"]
