@@ -324,15 +324,17 @@ PRIVATE_OVERRIDES = {
         "_load_best_model",
         "_load_from_checkpoint",
         "_load_optimizer_and_scheduler",
+        "_prepare_context_parallel_inputs",  # context parallelism: the batch split for every backend
         "_prepare_for_training",
         "_prepare_input",
+        "_prepare_inputs",  # a packed batch runs without the key/value cache
         "_save_checkpoint",
         "_save_optimizer_and_scheduler",
     },
     transformers.TrainingArguments: {"_process_fsdp_args", "_setup_devices"},
 }
 PRIVATE_NAMES_USED = {
-    transformers.Trainer: {"_created_lr_scheduler", "_get_output_dir", "_prepare_inputs", "_train_batch_size"},
+    transformers.Trainer: {"_created_lr_scheduler", "_get_output_dir", "_train_batch_size"},
     transformers.TrainingArguments: {"_n_gpu"},
 }
 OUR_CLASSES = {transformers.Trainer: Trainer, transformers.TrainingArguments: TrainingArguments}
