@@ -1,8 +1,9 @@
 """Our ``ParallelismConfig`` against accelerate's over a grid of sizes, built without a process group: the same
 configurations are refused, and every accepted one has the same sizes, dimension names and mesh shape.
 
-Deliberate differences: context and sequence parallelism (``cp_size``/``sp_size`` > 1) are refused by ours until
-they are implemented; our refusals are ``ConfigError`` (a ``ValueError``) with our own wording. Needs accelerate for
+Deliberate differences: sequence parallelism (``sp_size`` > 1) is refused by ours until it is implemented; ours
+defaults ``cp_backend`` to ``auto`` (torch's ring attention on CUDA, ours elsewhere) where accelerate's only backend is
+``torch``; our refusals are ``ConfigError`` (a ``ValueError``) with our own wording. Needs accelerate for
 the stock side (see tests/parity/README.md).
 """
 
@@ -69,12 +70,13 @@ def test_same_answers_as_accelerate(sizes: dict, monkeypatch: pytest.MonkeyPatch
     if isinstance(stock, Exception):
         assert isinstance(ours, ConfigError), f"accelerate refuses {sizes} ({stock}); ours accepts it"
         return
-    if sizes["cp_size"] > 1 or sizes["sp_size"] > 1:
+    if sizes["sp_size"] > 1:
         assert isinstance(ours, ConfigError) and "not supported yet" in str(ours)
         return
     assert not isinstance(ours, Exception), f"accelerate accepts {sizes}; ours refuses it: {ours}"
     stock_seen, ours_seen = _observed(stock), _observed(ours)
     assert (stock_seen.pop("tp_handler") is None) == (ours_seen.pop("tp_handler") is None)
+    assert (stock_seen.pop("cp_backend"), ours_seen.pop("cp_backend")) == ("torch", "auto")
     assert ours_seen == stock_seen
 
 
