@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
+from tests.distributed.nd_job import save, trained
 from tests.distributed.tensor_parallel_job import tiny_model
 from tests.helpers.tiny import pad_right, ragged_lm_dataset
 from trainer_ext import Trainer, TrainingArguments
@@ -134,31 +135,6 @@ def packing_trainer(out: Path, text: str, packing: str) -> Trainer:
     return Trainer(model=model(), args=args, train_dataset=data, data_collator=collator)
 
 
-def full(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
-
-
-def trained(tr: Trainer, resume: str | None = None) -> dict:
-    """Train ``tr`` (from ``resume``); its logged losses and gradient norms and its full weights."""
-    tr.train(resume_from_checkpoint=resume)
-    history = tr.state.log_history
-    return {
-        "losses": [h["loss"] for h in history if "loss" in h],
-        "norms": [h["grad_norm"] for h in history if "grad_norm" in h],
-        "steps": tr.state.global_step,
-        "weights": full(tr.accelerator.get_state_dict(tr.model_wrapped)),
-    }
-
-
-def rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def save(out: Path, name: str, seen: dict) -> None:
-    if rank0():
-        torch.save(seen, out / f"{name}.pt")
-
-
 def logits(net: torch.nn.Module) -> torch.Tensor:
     net.eval()
     with torch.no_grad():
@@ -172,7 +148,7 @@ def train_task(out: Path, text: str) -> Trainer:
     seen = trained(tr)
     tr.save_model(str(out / "export"))
     in_memory = logits(tr.model_wrapped)
-    if rank0():
+    if not dist.is_initialized() or dist.get_rank() == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(str(out / "export"))
         seen["export_files"] = sorted(os.listdir(out / "export"))
         seen["export_attention"] = reloaded.config._attn_implementation

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from tests.distributed.nd_job import full, save
 from tests.distributed.tensor_parallel_job import tiny_model
 from tests.helpers.tiny import pad_right, ragged_lm_dataset
 from trainer_ext import Accelerator, ConfigError, ParallelismConfig, context_parallel_batch
@@ -56,19 +56,6 @@ def llama() -> torch.nn.Module:
     model = tiny_model("llama", DTYPE)
     model.config._attn_implementation = "sdpa"  # what the context-parallel attention computes with
     return model
-
-
-def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in tensors.items()}
-
-
-def rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def save(out: Path, name: str, seen: dict) -> None:
-    if rank0():
-        torch.save(seen, out / f"{name}.pt")
 
 
 def all_ranks(value: object) -> list:

@@ -59,17 +59,13 @@ def _gather_with_grad(tensor: torch.Tensor, region: Active) -> torch.Tensor:
 
 def _check_positions(position_ids: torch.Tensor | None, region: Active) -> None:
     """Refuse positions the model made up for the local slice: rotary embeddings need the sharded global ones."""
-    if position_ids is None or not region.buffers:
-        raise ConfigError(
-            "context parallelism needs position_ids among the sharded buffers (global positions for the rotary "
-            "embeddings): pass position_ids to the model and to maybe_context_parallel's buffers"
-        )
-    positions = position_ids.expand(position_ids.shape[0], -1)
-    for buffer in region.buffers:
-        if buffer.shape == positions.shape and buffer.dtype == positions.dtype and torch.equal(buffer, positions):
-            return
-        if buffer.dim() == 1 and positions.shape[0] == 1 and torch.equal(buffer, positions[0]):
-            return
+    if position_ids is not None:
+        positions = position_ids.expand(position_ids.shape[0], -1)
+        for buffer in region.buffers:
+            if buffer.shape == positions.shape and buffer.dtype == positions.dtype and torch.equal(buffer, positions):
+                return
+            if buffer.dim() == 1 and positions.shape[0] == 1 and torch.equal(buffer, positions[0]):
+                return
     raise ConfigError(
         "context parallelism needs position_ids among the sharded buffers (global positions for the rotary "
         "embeddings): pass position_ids to the model and to maybe_context_parallel's buffers"
