@@ -2,7 +2,8 @@
 parallel dimensions, with accelerate's field names, defaults, properties and ``PARALLELISM_CONFIG_*`` variables.
 
 Our differences, on purpose: it is valid on CPU/gloo as on GPUs; bad input is one ``ConfigError`` line; ``cp_backend``
-chooses among ``auto`` (default), ``torch`` and ``all_gather``; sequence parallelism (``sp_size`` > 1) is refused until it
+chooses among ``auto`` (default), ``torch`` and ``all_gather``; ``pp_size``, ``pp_schedule`` and ``pp_microbatches``
+(pipeline parallelism) are ours; sequence parallelism (``sp_size`` > 1) is refused until it
 is implemented; ``to_json`` returns the
 fields (accelerate's returns None); the dimension sizes are read from the fields, so a size set after construction
 (as transformers' Trainer does) is the size every property and the mesh see. Imports no torch.
@@ -19,11 +20,14 @@ from typing import Any
 from trainer_ext.errors import ConfigError
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"
-# accelerate's order of the mesh's dimensions, outermost first: tensor parallel ranks are neighbours
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
-SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+# accelerate's order of the mesh's dimensions, outermost first, with ours (pp) inside the data-parallel ones: the
+# ranks that read one batch (pp × cp × tp) are neighbours
+MESH_ORDER = ("dp_replicate", "dp_shard", "pp", "cp", "sp", "tp")
+SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")
 CP_BACKENDS = ("auto", "torch", "all_gather")  # ours: auto picks torch on CUDA, all_gather elsewhere
 SP_BACKENDS = ("deepspeed",)
+# ours: the pipeline schedules of torch.distributed.pipelining, by the name users pick them with
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 @dataclass
@@ -97,6 +101,9 @@ class ParallelismConfig:
     cp_backend: str | None = None
     sp_size: int | None = None
     sp_backend: str | None = None
+    pp_size: int | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
     tp_handler: Any = None
     cp_handler: Any = None
     sp_handler: Any = None
@@ -108,6 +115,9 @@ class ParallelismConfig:
             setattr(self, f"{name}_size", _size(f"{name}_size", getattr(self, f"{name}_size")))
         self.cp_backend = _backend("cp_backend", self.cp_backend, CP_BACKENDS)
         self.sp_backend = _backend("sp_backend", self.sp_backend, SP_BACKENDS)
+        self.pp_schedule = _backend("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_microbatches is not None or os.environ.get(_env_name("pp_microbatches")):
+            self.pp_microbatches = _size("pp_microbatches", self.pp_microbatches)
         if self.cp_size > 1 and self.sp_size > 1:
             raise ConfigError(
                 f"ParallelismConfig cp_size={self.cp_size} and sp_size={self.sp_size}: context and sequence "
@@ -123,6 +133,18 @@ class ParallelismConfig:
             raise ConfigError(
                 f"ParallelismConfig sp_size={self.sp_size}: sequence (Ulysses) parallelism is not supported yet; "
                 "set sp_size=1 and use cp_size to split long sequences"
+            )
+        if self.pp_size > 1 and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
+            raise ConfigError(
+                f"ParallelismConfig pp_size={self.pp_size} with dp_replicate_size={self.dp_replicate_size} alone: "
+                "pipeline stages are data-parallel through FSDP2; set dp_shard_size instead (with dp_replicate_size "
+                "> 1 too for HSDP)"
+            )
+        if self.pp_size > 1 and (self.tp_size > 1 or self.cp_size > 1):
+            raise ConfigError(
+                f"ParallelismConfig pp_size={self.pp_size} with tp_size={self.tp_size}, cp_size={self.cp_size}: "
+                "pipeline parallelism composes with data parallelism (dp_shard_size, dp_replicate_size) only; set "
+                "tp_size=1 and cp_size=1"
             )
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
@@ -143,12 +165,12 @@ class ParallelismConfig:
     @property
     def total_size(self) -> int:
         """The number of processes the configuration spans: the product of every size."""
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size * self.pp_size
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that see the same batch: tensor × context × sequence parallel sizes."""
-        return self.tp_size * self.cp_size * self.sp_size
+        """Ranks that see the same batch: tensor × context × sequence (× pipeline, ours) parallel sizes."""
+        return self.tp_size * self.cp_size * self.sp_size * self.pp_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -157,8 +179,9 @@ class ParallelismConfig:
 
     @property
     def splits_model(self) -> bool:
-        """True when the layout shards the model or its sequences (dp_shard, tp or cp > 1): FSDP2's job (ours)."""
-        return self.dp_shard_size > 1 or self.tp_size > 1 or self.cp_size > 1
+        """True when the layout shards the model or its sequences (dp_shard, tp, cp or pp > 1): FSDP2's job, or
+        the pipeline's (ours)."""
+        return self.dp_shard_size > 1 or self.tp_size > 1 or self.cp_size > 1 or self.pp_size > 1
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -179,6 +202,11 @@ class ParallelismConfig:
     def cp_enabled(self) -> bool:
         """True when ``cp_size > 1``."""
         return self.cp_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """True when ``pp_size > 1`` (ours: pipeline parallelism)."""
+        return self.pp_size > 1
 
     @property
     def sp_enabled(self) -> bool:
@@ -215,8 +243,8 @@ class ParallelismConfig:
 
     @property
     def active_mesh_dims(self) -> list[str]:
-        """Every enabled dimension: the data-parallel ones, then the others."""
-        return self.dp_dim_names + self.non_dp_dim_names
+        """Every enabled dimension: the data-parallel ones, then the others (the pipeline's first, ours)."""
+        return self.dp_dim_names + self._enabled("pp") + self.non_dp_dim_names
 
     def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]] | tuple[()]:
         """(dimension names, sizes) of the mesh in ``MESH_ORDER``, enabled dimensions only; () when none is."""

@@ -33,9 +33,12 @@ def _processes(count: int) -> str:
 
 def fit_to_world(config: ParallelismConfig, world_size: int) -> None:
     """accelerate's rule: a configuration of size 1 on several processes replicates over all of them (plain data
-    parallelism); any other is checked against ``world_size``."""
+    parallelism); ours: ``pp_size`` alone on a multiple of it shards each stage over the rest (FSDP2); any other is
+    checked against ``world_size``."""
     if config.total_size == 1 and world_size > 1:
         config._set_size("dp_replicate", world_size)
+    elif config.total_size == config.pp_size > 1 and world_size > config.pp_size and world_size % config.pp_size == 0:
+        config._set_size("dp_shard", world_size // config.pp_size)  # ours: stages sharded over the rest
     check_world_size(config, world_size)
 
 

@@ -1,0 +1,1 @@
+"""Pipeline parallelism (ours): a transformers decoder split into stages, driven by torch.distributed.pipelining."""

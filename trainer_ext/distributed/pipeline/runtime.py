@@ -1,0 +1,181 @@
+"""The pipeline on one rank: its stage modules, a schedule per batch shape, and the steps the Trainer and loops
+call — a training step (forward and backward of every microbatch, the loss reduced to every rank of the pipeline)
+and an evaluation forward (loss and logits on every rank)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer_ext.distributed.pipeline import schedules
+from trainer_ext.errors import ConfigError
+
+_CACHED = 4  # schedules kept per runtime (one per batch shape: dynamic padding changes the sequence length)
+
+
+class PipelineRuntime:
+    """Runs ``stages`` (this rank's ``StageModule``s, stage indices ``stage_ids`` of ``num_stages``) over the pp
+    process ``group`` with schedule ``schedule``, ``microbatches`` per run."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        group: Any,
+        schedule: str,
+        microbatches: int,
+        device: torch.device,
+        ranges: list[tuple[int, int]],
+    ) -> None:
+        self.model, self.stages, self.stage_ids, self.num_stages = model, stages, stage_ids, num_stages
+        self.group, self.schedule_name, self.microbatches, self.device = group, schedule, microbatches, device
+        self.ranges = ranges
+        self.pp_size = dist.get_world_size(group)
+        self.pp_rank = dist.get_rank(group)
+        self.last_rank = dist.get_global_rank(group, schedules.owner_of_stage(schedule, num_stages - 1, self.pp_size))
+        self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._num_items: torch.Tensor | float = 1.0
+        self._scale = 1.0
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    # -- schedules ------------------------------------------------------------------------------
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One microbatch's loss: the model's own loss summed over its tokens, over the step's token count."""
+        config = self.model.config
+        loss = self.model.loss_function(
+            logits=logits, labels=labels, vocab_size=config.vocab_size, num_items_in_batch=self._num_items
+        )
+        return loss * self._scale
+
+    def _schedule(self, key: tuple[Any, ...], train: bool) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        key = (*key, train)
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        stages = [
+            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            for module, index in zip(self.stages, self.stage_ids, strict=True)
+        ]
+        cls = getattr(torch_schedules, schedules.SCHEDULES[self.schedule_name][0])
+        loss_fn = self._loss if train else None
+        if schedules.stages_per_rank(self.schedule_name) == 1:
+            built = cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            built = cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._schedules[key] = built
+        while len(self._schedules) > _CACHED:
+            self._schedules.popitem(last=False)
+        return built
+
+    def _padded(self, batch: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """The batch with rows added (labels ignored, keys masked) up to a multiple of the microbatch count, so every
+        microbatch has one shape; and the real row count."""
+        ids = batch["input_ids"]
+        rows = ids.shape[0]
+        extra = -rows % self.microbatches
+        if rows < self.microbatches:
+            extra = self.microbatches - rows
+        out = dict(batch)
+        if "position_ids" not in out or out["position_ids"] is None:
+            out["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None].expand(rows, -1)
+        elif out["position_ids"].shape[0] != rows:
+            out["position_ids"] = out["position_ids"].expand(rows, -1)
+        if extra:
+            pad = {"input_ids": 0, "labels": -100, "attention_mask": 0, "position_ids": 0}
+            for name, value in pad.items():
+                tensor = out.get(name)
+                if tensor is None:
+                    if name == "attention_mask":  # real rows attend everywhere, the added ones nowhere
+                        tensor = torch.ones_like(ids)
+                    else:
+                        continue
+                filler = tensor.new_full((extra, *tensor.shape[1:]), value)
+                out[name] = torch.cat([tensor, filler])
+        return out, rows
+
+    def _run(self, batch: dict[str, Any], train: bool) -> tuple[list[torch.Tensor], Any]:
+        unknown = sorted(k for k, v in batch.items() if v is not None and k not in _INPUTS)
+        if unknown:
+            raise ConfigError(
+                f"pipeline parallelism takes input_ids, attention_mask, position_ids and labels; this batch also has "
+                f"{', '.join(unknown)}: drop those columns (remove_unused_columns) or set pp_size=1"
+            )
+        if batch.get("labels") is None and train:
+            raise ConfigError("pipeline parallelism trains from labels (the last stage's loss): this batch has none")
+        padded, rows = self._padded(batch)
+        ids = padded["input_ids"]
+        kwargs = {"position_ids": padded["position_ids"]}
+        if padded.get("attention_mask") is not None:
+            kwargs["attention_mask"] = padded["attention_mask"]
+        key = (tuple(ids.shape), "attention_mask" in kwargs, padded.get("labels") is not None)
+        schedule = self._schedule(key, train)
+        losses: list[torch.Tensor] = []
+        target = padded.get("labels") if self.has_last_stage else None
+        args = (ids,) if self.has_first_stage else ()
+        if train:
+            output = schedule.step(*args, target=target, losses=losses, **kwargs)
+        else:
+            output = schedule.eval(*args, target=target, losses=losses, **kwargs)
+        if output is not None:
+            output = output[:rows]
+        return losses, output
+
+    # -- the steps ------------------------------------------------------------------------------
+    def train_step(
+        self, batch: dict[str, Any], num_items_in_batch: torch.Tensor | float | None, scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward of ``batch`` in microbatches; gradients accumulate in the stages' parameters.
+        Returns the loss (summed token losses over ``num_items_in_batch``, this batch's label count when None),
+        the same on every pipeline rank; backward took it times ``scale``."""
+        if num_items_in_batch is None:
+            labels = batch["labels"][..., 1:]
+            num_items_in_batch = labels.ne(-100).sum()
+        self._num_items, self._scale = num_items_in_batch, scale
+        losses, _ = self._run(batch, train=True)
+        return self._broadcast_loss(losses, scale)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The loss (a token mean over the batch, None without labels) and the logits, on every pipeline rank."""
+        labels = batch.get("labels")
+        self._scale = 1.0
+        if labels is not None:
+            self._num_items = labels[..., 1:].ne(-100).sum()
+        losses, logits = self._run(batch, train=False)
+        loss = self._broadcast_loss(losses, 1.0) if labels is not None else None
+        rows, length = batch["input_ids"].shape
+        shape = (rows, length, self.model.config.vocab_size)
+        if logits is None:
+            logits = torch.empty(shape, dtype=self._logits_dtype(), device=self.device)
+        dist.broadcast(logits.contiguous() if logits.device == self.device else logits, self.last_rank, self.group)
+        return loss, logits
+
+    def _logits_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
+        if self.has_last_stage:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum() / scale
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(total, self.last_rank, self.group)
+        return total
+
+
+_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})
