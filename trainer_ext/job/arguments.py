@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from trainer_ext.distributed.mesh.config import CP_BACKENDS
+from trainer_ext.distributed.mesh.config import CP_BACKENDS, PP_SCHEDULES
 from trainer_ext.errors import ConfigError
 from trainer_ext.field_types import check_field_types
 from trainer_ext.job.fields import DATA_BUILDERS as DATA_BUILDERS
@@ -170,6 +170,32 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
             "choices": list(CP_BACKENDS),
         },
     )
+    pp_size: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Number of pipeline stages' ranks (pipeline parallel): the decoder layers are split into consecutive "
+            "stages balanced by parameter count, each rank runs its stages on microbatches of the batch; a multiple "
+            "of it processes shards each stage over the rest (FSDP2). Causal LMs of llama, mistral, qwen2, qwen3 with "
+            "untied embeddings only. Default: 1."
+        ),
+    )
+    pp_schedule: str | None = field(
+        default=None,
+        metadata={
+            **field_help(
+                "Pipeline schedule: 1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zero_bubble or "
+                "zbv_zero_bubble (the last four hold 2 stages per rank). Default: 1f1b."
+            ),
+            "choices": list(PP_SCHEDULES),
+        },
+    )
+    pp_microbatches: int | None = field(
+        default=None,
+        metadata=field_help(
+            "Microbatches each batch is split into for the pipeline (more shrink the idle bubble). Default: one per "
+            "stage."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # every value's shape first: a list or mapping where a number goes must not reach anything below
@@ -207,7 +233,7 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         from trainer_ext.job.parallel import TRAIN_SIZES, parallelism_from_sizes
 
         sizes = {name: getattr(self, name) for name in TRAIN_SIZES}
-        config = parallelism_from_sizes(sizes, self.cp_backend)
+        config = parallelism_from_sizes(sizes, self.cp_backend, self.pp_schedule, self.pp_microbatches)
         if config is None:
             return
         if self.parallelism_config is not None:
@@ -218,15 +244,15 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         self.parallelism_config = config
 
     def _check_parallel_model(self) -> None:
-        """The model against tp_size and cp_size before any process group, whether the sizes came from the flags, a
-        ``parallelism_config`` object or the launcher's ``PARALLELISM_CONFIG_*`` variables (TrainingArguments reads
-        those too)."""
+        """The model against tp_size, cp_size and pp_size before any process group, whether the sizes came from the
+        flags, a ``parallelism_config`` object or the launcher's ``PARALLELISM_CONFIG_*`` variables (TrainingArguments
+        reads those too)."""
         from trainer_ext.distributed.mesh.setup import as_parallelism_config
-        from trainer_ext.job.parallel import check_job_model
+        from trainer_ext.job.parallel import check_job_model, pipeline_stages
 
         config = as_parallelism_config(self.parallelism_config)
         if config is not None:
-            check_job_model(vars(self), config.tp_size, config.cp_size)
+            check_job_model(vars(self), config.tp_size, config.cp_size, pipeline_stages(config))
 
     def _fill(self, **values: Any) -> None:
         """Set the fields still None to ``values``; remember them in ``auto_filled`` for the log."""

@@ -1,7 +1,7 @@
-"""The parallel sizes of a job (``--dp_replicate_size``, ``--dp_shard_size``, ``--tp_size``, ``--cp_size`` and
-``--cp_backend``) as a ``ParallelismConfig``, the mesh they give on a number of processes, and the model-config checks
-tensor and context parallelism need, shared by ``train``, ``launch`` and ``estimate``. Imports neither torch nor
-transformers at module level.
+"""The parallel sizes of a job (``--dp_replicate_size``, ``--dp_shard_size``, ``--tp_size``, ``--cp_size`` with
+``--cp_backend``, ``--pp_size`` with ``--pp_schedule`` and ``--pp_microbatches``) as a ``ParallelismConfig``, the mesh
+they give on a number of processes, and the model-config checks tensor, context and pipeline parallelism need, shared
+by ``train``, ``launch`` and ``estimate``. Imports neither torch nor transformers at module level.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_ext.distributed.mesh.config import CP_BACKENDS, ParallelismConfig
+from trainer_ext.distributed.mesh.config import CP_BACKENDS, PP_SCHEDULES, ParallelismConfig
 from trainer_ext.distributed.mesh.device_mesh import fit_to_world
 from trainer_ext.distributed.mesh.tensor_parallel import check_split_sizes
 from trainer_ext.errors import ConfigError
@@ -18,39 +18,72 @@ from trainer_ext.job.fields import TASKS
 TASKS_DEFAULT = TASKS[0]  # train's default task
 
 # the sizes a train job takes as flags; the launcher takes sp_size too (accelerate's key), refused when > 1
-TRAIN_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+TRAIN_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
 LAUNCH_SIZES = (*TRAIN_SIZES, "sp_size")
+# the options that go with a size: the context-parallel backend, the pipeline's schedule and microbatches
+PIPELINE_OPTIONS = ("pp_schedule", "pp_microbatches")
 DEFAULT_CP_BACKEND = CP_BACKENDS[0]  # auto: torch's ring attention on CUDA, our all-gather attention elsewhere
+DEFAULT_PP_SCHEDULE = PP_SCHEDULES[0]  # 1f1b
 
 
-def parallelism_from_sizes(sizes: Mapping[str, Any], cp_backend: str | None = None) -> ParallelismConfig | None:
-    """The ``ParallelismConfig`` of the sizes given (None = not given = 1) and ``cp_backend`` (None: auto); None when
-    every size is 1 or unset.
+def parallelism_from_sizes(
+    sizes: Mapping[str, Any],
+    cp_backend: str | None = None,
+    pp_schedule: str | None = None,
+    pp_microbatches: int | None = None,
+) -> ParallelismConfig | None:
+    """The ``ParallelismConfig`` of the sizes given (None = not given = 1), ``cp_backend`` (None: auto),
+    ``pp_schedule`` (None: 1f1b) and ``pp_microbatches`` (None: the schedule's default); None when every size is 1
+    or unset.
 
-    Sizes not given are 1 here and the backend auto, never read from ``PARALLELISM_CONFIG_*``: flags say the whole
-    configuration. A bad size or backend, or sp above 1, is the config's one-line ConfigError."""
+    Sizes not given are 1 here, the backend auto and the schedule 1f1b, never read from ``PARALLELISM_CONFIG_*``:
+    flags say the whole configuration. A bad size, backend or schedule, or sp above 1, is the config's one-line
+    ConfigError."""
     given = {name: value for name, value in sizes.items() if value is not None}
     if not given or all(value == 1 and not isinstance(value, bool) for value in given.values()):
         return None
     return ParallelismConfig(
-        **{name: given.get(name, 1) for name in LAUNCH_SIZES}, cp_backend=cp_backend or DEFAULT_CP_BACKEND
+        **{name: given.get(name, 1) for name in LAUNCH_SIZES},
+        cp_backend=cp_backend or DEFAULT_CP_BACKEND,
+        pp_schedule=pp_schedule or DEFAULT_PP_SCHEDULE,
+        pp_microbatches=pp_microbatches,
     )
 
 
 def fitted(config: ParallelismConfig | None, world_size: int) -> ParallelismConfig:
     """A copy of ``config`` (no config: all sizes 1) fitted to ``world_size`` by accelerate's rule (all sizes 1 on
-    several processes is plain data parallelism over all of them); ConfigError when the sizes do not multiply to it."""
+    several processes is plain data parallelism over all of them; ours: ``pp_size`` alone on a multiple of it shards
+    each stage over the rest); ConfigError when the sizes do not multiply to it."""
     copy = ParallelismConfig(
         **{name: getattr(config, name, 1) if config else 1 for name in LAUNCH_SIZES},
         cp_backend=getattr(config, "cp_backend", None) or DEFAULT_CP_BACKEND,
+        pp_schedule=getattr(config, "pp_schedule", None) or DEFAULT_PP_SCHEDULE,
+        pp_microbatches=getattr(config, "pp_microbatches", None),
     )
     fit_to_world(copy, world_size)
     return copy
 
 
 def data_parallel_ranks(config: ParallelismConfig) -> int:
-    """Ranks that see different batches: the world over the ranks that share one (tensor × context × sequence)."""
+    """Ranks that see different batches: the world over the ranks that share one (tensor × context × sequence ×
+    pipeline: ``non_data_parallel_size`` counts the pipeline's stages)."""
     return config.total_size // config.non_data_parallel_size
+
+
+def pipeline_text(config: ParallelismConfig, ranges: list[tuple[int, int]] | None = None) -> str:
+    """The pipeline in one phrase, e.g. ``2 stages (layers 0-3 | 4-7), 1f1b, 4 microbatches, bubble 20%`` (the
+    layers when ``ranges`` are known; the microbatches the schedule's default when unset); empty without pp."""
+    if config.pp_size <= 1:
+        return ""
+    from trainer_ext.distributed.pipeline.schedules import bubble_fraction, default_microbatches, stages_per_rank
+
+    schedule = config.pp_schedule or DEFAULT_PP_SCHEDULE
+    chunks = config.pp_size * stages_per_rank(schedule)
+    count = config.pp_microbatches or default_microbatches(schedule, config.pp_size)
+    layers = " (layers " + " | ".join(f"{a}-{b - 1}" for a, b in ranges) + ")" if ranges else ""
+    bubble = bubble_fraction(schedule, config.pp_size, count)
+    ranks = f" on {config.pp_size} ranks" if chunks > config.pp_size else ""
+    return f"{chunks} stages{ranks}{layers}, {schedule}, {count} microbatches, bubble {bubble:.0%}"
 
 
 def check_tp_config(
@@ -122,28 +155,93 @@ def check_cp_job(values: Mapping[str, Any], cp_size: int) -> list[str]:
     return []
 
 
-def check_job_model(values: Mapping[str, Any], tp_size: int, cp_size: int = 1) -> list[str]:
+def pipeline_stages(config: Any) -> int:
+    """How many stages (model chunks) ``config``'s pipeline has: ``pp_size`` × the schedule's stages per rank."""
+    from trainer_ext.distributed.pipeline.schedules import stages_per_rank
+
+    return config.pp_size * stages_per_rank(config.pp_schedule or DEFAULT_PP_SCHEDULE)
+
+
+def meta_causal_lm(config: Any) -> Any:
+    """The causal-LM model of a transformers config with its weights on the meta device (no memory, no values):
+    what the pipeline's split reads; None when transformers has no causal LM for it."""
+    import torch
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError):
+        return None
+
+
+def pipeline_ranges(config: Any, stages: int) -> list[tuple[int, int]] | None:
+    """Each stage's decoder layers ``[start, end)`` by the pipeline's balanced split of ``config``'s model (built on
+    the meta device); None when the model cannot be split."""
+    from trainer_ext.distributed.pipeline.split import layer_ranges, why_not
+
+    model = meta_causal_lm(config)
+    if model is None or why_not(model, stages) is not None:
+        return None
+    return layer_ranges(model, stages)
+
+
+def check_model_for_pp(config: Any, stages: int, source: str) -> None:
+    """Refuse, before any process starts, a model the pipeline cannot split into ``stages`` stages (the pipeline
+    module's rule, :func:`~trainer_ext.distributed.pipeline.split.why_not`, on the model built on the meta
+    device): not a llama/mistral/qwen2/qwen3 causal LM, tied embeddings, sliding windows, fewer layers than stages."""
+    if stages <= 1:
+        return
+    from trainer_ext.distributed.pipeline.split import why_not
+
+    model = meta_causal_lm(config)
+    kind = getattr(config, "model_type", None) or type(config).__name__
+    reason = why_not(model, stages) if model is not None else f"{kind} has no causal-LM model to split into stages"
+    if reason is not None:
+        raise ConfigError(
+            f"{source}: pipeline of {stages} stages: {reason}; set pp_size 1 (use dp_shard_size), or train another model"
+        )
+
+
+def check_pp_job(values: Mapping[str, Any], pp_size: int) -> None:
+    """What pipeline parallelism needs of a train job besides its model: a causal-lm task (the stages run a causal
+    LM's decoder and the last one its loss)."""
+    if pp_size <= 1:
+        return
+    task = str(values.get("task") or TASKS_DEFAULT).strip().lower().replace("_", "-")
+    if task != "causal-lm":
+        raise ConfigError(
+            f"pp_size {pp_size}: pipeline parallelism splits causal language models into stages, and the task is "
+            f"{task}; use --task causal-lm, or set pp_size 1 (use dp_shard_size)"
+        )
+
+
+def check_job_model(values: Mapping[str, Any], tp_size: int, cp_size: int = 1, pp_stages: int = 1) -> list[str]:
     """The train job's model from its flag values (a local pretrained model, a ``--model_config`` or the task's
-    preset) checked against ``tp_size`` (:func:`check_model_for_tp`) and ``cp_size`` (:func:`check_cp_job`,
-    :func:`check_model_for_cp`), before any process group; notes when its config cannot be read here (a hub id:
-    checked when the model is built)."""
+    preset) checked against ``tp_size`` (:func:`check_model_for_tp`), ``cp_size`` (:func:`check_cp_job`,
+    :func:`check_model_for_cp`) and the pipeline's ``pp_stages`` (:func:`check_pp_job`, :func:`check_model_for_pp`;
+    :func:`pipeline_stages` of the config), before any process group; notes when its config cannot be read here (a
+    hub id: checked when the model is built)."""
     import os
 
     from trainer_ext.job.fields import DEFAULT_PRESET, PRESETS
     from trainer_ext.job.model_limits import load_model_config
 
     notes = check_cp_job(values, cp_size)
-    if tp_size <= 1 and cp_size <= 1:
+    check_pp_job(values, pp_stages)
+    if tp_size <= 1 and cp_size <= 1 and pp_stages <= 1:
         return notes
     name = values.get("model_name_or_path")
     if name:
         if not os.path.exists(os.path.expanduser(name)):
-            sizes = " and ".join(f"{n} {s}" for n, s in (("tp_size", tp_size), ("cp_size", cp_size)) if s > 1)
+            named = (("tp_size", tp_size), ("cp_size", cp_size), ("pipeline stages", pp_stages))
+            sizes = " and ".join(f"{n} {s}" for n, s in named if s > 1)
             return [*notes, f"{sizes}: {name!r} is checked when train loads its config"]
         config = load_model_config(name, "--model_name_or_path", bool(values.get("trust_remote_code")))
         source = f"--model_name_or_path {name}"
         check_model_for_tp(config, tp_size, source, vocab=True)  # train pads no vocabulary
         check_model_for_cp(config, cp_size, source)
+        check_model_for_pp(config, pp_stages, source)
         return notes
     task = str(values.get("task") or TASKS_DEFAULT).strip().lower().replace("_", "-")
     preset = values.get("model_config") or DEFAULT_PRESET.get(task)
@@ -157,4 +255,5 @@ def check_job_model(values: Mapping[str, Any], tp_size: int, cp_size: int = 1) -
         config, source = load_model_config(preset), f"--model_config {preset}"
     check_model_for_tp(config, tp_size, source)
     check_model_for_cp(config, cp_size, source)
+    check_model_for_pp(config, pp_stages, source)
     return notes
