@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_ext.config_files import load_mapping
-from trainer_ext.distributed.mesh.config import CP_BACKENDS
+from trainer_ext.distributed.mesh.config import CP_BACKENDS, PP_SCHEDULES
 from trainer_ext.env_vars import CONFIG_FILE
 from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.values import MIXED_PRECISION, is_true, parse_bool
@@ -161,10 +161,11 @@ MAX_PROCESSES = MAX_MACHINES * 16
 MAX_RESTARTS = 10_000
 MAX_ACCUMULATION = 1 << 20
 
-# the parallel sizes and the context-parallel backend: top-level keys (ours), or under parallelism_config as
-# accelerate writes them (parallelism_config_tp_size, ...; the bare names too), or tp_config.tp_size (older accelerate)
-PARALLEL_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
-PARALLEL_KEYS = (*PARALLEL_SIZES, "cp_backend")
+# the parallel sizes, the context-parallel backend and the pipeline's schedule and microbatches (pp: ours): top-level
+# keys, or under parallelism_config as accelerate writes them (parallelism_config_tp_size, ...; the bare names too), or
+# tp_config.tp_size (older accelerate)
+PARALLEL_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size")
+PARALLEL_KEYS = (*PARALLEL_SIZES, "cp_backend", "pp_schedule", "pp_microbatches")
 PARALLEL_PREFIX = "parallelism_config_"
 # accelerate's options for torch's ring attention and sequence parallelism: nothing to do here (sp_size stays 1)
 PARALLEL_IGNORED = (
@@ -190,6 +191,8 @@ PLAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "debug": parse_bool,
     **dict.fromkeys(PARALLEL_SIZES, whole_number(1, MAX_PROCESSES)),
     "cp_backend": one_of(CP_BACKENDS),
+    "pp_schedule": one_of(PP_SCHEDULES),
+    "pp_microbatches": whole_number(1, MAX_ACCUMULATION),
 }
 SPECIAL_KEYS = ("compute_environment", "distributed_type", "use_cpu", "deepspeed_config", "fsdp_config", "fp16")
 SPECIAL_KEYS += ("parallelism_config", "tp_config")

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_ext.cli.launch.config_file import CP_BACKENDS, MIXED_PRECISION, RDZV_BACKENDS, one_of
+from trainer_ext.cli.launch.config_file import CP_BACKENDS, MIXED_PRECISION, PP_SCHEDULES, RDZV_BACKENDS, one_of
 from trainer_ext.cli.launch.target import USAGE, Target
 from trainer_ext.errors import ConfigError, did_you_mean
 
@@ -20,6 +20,7 @@ PARALLEL_HELP = {
     "tp_size": "processes each layer is split over (tensor parallel, the model's own plan)",
     "cp_size": "processes each sequence is split over (context parallel; causal LMs with full attention)",
     "sp_size": "sequence parallel processes (not supported yet: 1)",
+    "pp_size": "pipeline stages' processes (pipeline parallel; llama/mistral/qwen2/qwen3 causal LMs, untied)",
 }
 
 
@@ -77,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         dest="cp_backend",
         type=_one_of(CP_BACKENDS),
         help="context-parallel attention: auto (torch on CUDA, all_gather elsewhere), torch (CUDA) or all_gather",
+    )
+    add(
+        "--pp_schedule",
+        "--parallelism_config_pp_schedule",
+        dest="pp_schedule",
+        type=_one_of(PP_SCHEDULES),
+        help=f"pipeline schedule: {', '.join(PP_SCHEDULES)} (default 1f1b)",
+    )
+    add(
+        "--pp_microbatches",
+        "--parallelism_config_pp_microbatches",
+        dest="pp_microbatches",
+        type=int,
+        metavar="N",
+        help="microbatches each batch is split into for the pipeline (default: one per stage)",
     )
     add(
         "--num_cpu_threads_per_process",

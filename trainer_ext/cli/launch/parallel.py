@@ -1,14 +1,17 @@
 """The launch's parallel sizes (``--tp_size``, ``--dp_shard_size``, ``--dp_replicate_size``, ``--cp_size`` with
-``--cp_backend``; ``--sp_size`` refused above 1): checked before any process starts, shown as a mesh by the dry run,
-and handed to the processes as accelerate's variables (``ACCELERATE_USE_PARALLELISM_CONFIG``,
-``PARALLELISM_CONFIG_<SIZE>`` and, with context parallelism, ``PARALLELISM_CONFIG_CP_BACKEND``), which a script's
+``--cp_backend``, ``--pp_size`` with ``--pp_schedule`` and ``--pp_microbatches``; ``--sp_size`` refused above 1):
+checked before any process starts, shown as a mesh by the dry run (with the pipeline's schedule, microbatches and
+bubble), and handed to the processes as accelerate's variables (``ACCELERATE_USE_PARALLELISM_CONFIG``,
+``PARALLELISM_CONFIG_<SIZE>``, with context parallelism ``PARALLELISM_CONFIG_CP_BACKEND``, with pipeline parallelism
+``PARALLELISM_CONFIG_PP_SCHEDULE`` and, when set, ``PARALLELISM_CONFIG_PP_MICROBATCHES``), which a script's
 TrainingArguments or Accelerator read; ``train`` also gets them as flags.
 
 For ``train`` the sizes its own arguments (or their ``--config`` files) set win over the launch's, as every other
-train flag does; with ``tp_size`` or ``cp_size`` above 1 the model's config is read (a preset, a config file, a local
-model folder) and a model without a tensor-parallel plan, with heads, key/value heads or an intermediate size
-``tp_size`` does not divide, or one context parallelism would train wrongly (sliding-window, chunked, bidirectional
-attention, ...), is refused, wherever the sizes came from (flags, a launch config file, accelerate's keys).
+train flag does; with ``tp_size``, ``cp_size`` or ``pp_size`` above 1 the model's config is read (a preset, a config
+file, a local model folder) and a model without a tensor-parallel plan, with heads, key/value heads or an intermediate
+size ``tp_size`` does not divide, one context parallelism would train wrongly (sliding-window, chunked, bidirectional
+attention, ...), or one the pipeline cannot split into stages (tied embeddings, an unsupported architecture, fewer
+layers than stages), is refused, wherever the sizes came from (flags, a launch config file, accelerate's keys).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from trainer_ext.distributed.mesh.setup import describe as mesh_text
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.parallel import (
     LAUNCH_SIZES,
+    PIPELINE_OPTIONS,
     TRAIN_SIZES,
     data_parallel_ranks,
     fitted,
     parallelism_from_sizes,
+    pipeline_stages,
+    pipeline_text,
 )
 
 if TYPE_CHECKING:
@@ -53,11 +59,17 @@ class ParallelPlan:
         if self.plain:
             return {}
         out = {env_vars.USE_PARALLELISM_CONFIG: "true"}
+        # accelerate's sizes always; ours (pp) only when used, so accelerate's own scripts see accelerate's variables
+        shown = [name for name in SIZES if name != "pp_size" or self.config.pp_size > 1]
         out.update(
-            {env_vars.PARALLELISM_CONFIG_PREFIX + name.upper(): str(getattr(self.config, name)) for name in SIZES}
+            {env_vars.PARALLELISM_CONFIG_PREFIX + name.upper(): str(getattr(self.config, name)) for name in shown}
         )
         if self.config.cp_size > 1:
             out[env_vars.PARALLELISM_CONFIG_PREFIX + "CP_BACKEND"] = self.config.cp_backend
+        if self.config.pp_size > 1:
+            out[env_vars.PARALLELISM_CONFIG_PREFIX + "PP_SCHEDULE"] = self.config.pp_schedule
+            if self.config.pp_microbatches is not None:
+                out[env_vars.PARALLELISM_CONFIG_PREFIX + "PP_MICROBATCHES"] = str(self.config.pp_microbatches)
         return out
 
     @property
@@ -74,6 +86,8 @@ class ParallelPlan:
             used = resolve_backend(self.config.cp_backend, self.device)
             chosen = f" ({self.config.cp_backend})" if self.config.cp_backend != used else ""
             cp = f"; context-parallel attention {used}{chosen}"
+        if self.config.pp_size > 1:
+            cp += f"; pipeline {pipeline_text(self.config)}"
         return (
             f"mesh: {mesh_text(self.config)} ({how}{ranks} data-parallel rank{'s' * (ranks > 1)}{cp}; {self.source})"
         )
@@ -98,14 +112,17 @@ def check_sizes(
     source: str,
     cp_backend: str | None = None,
     device: str = "cpu",
+    pp_schedule: str | None = None,
+    pp_microbatches: int | None = None,
 ) -> ParallelismConfig | None:
-    """The configuration of ``sizes`` and ``cp_backend`` fitted to ``world_size``; None when no size was given.
-    ConfigError (one line) for sp above 1, sizes that do not multiply to ``world_size``, tensor or context
-    parallelism with DeepSpeed, a context-parallel backend ``device`` cannot run."""
+    """The configuration of ``sizes``, ``cp_backend`` and the pipeline's ``pp_schedule`` and ``pp_microbatches``
+    fitted to ``world_size``; None when no size was given. ConfigError (one line) for sp above 1, sizes that do not
+    multiply to ``world_size``, tensor, context or pipeline parallelism with DeepSpeed, a context-parallel backend
+    ``device`` cannot run."""
     if all(value is None for value in sizes.values()):
         return None
-    config = fitted(parallelism_from_sizes(sizes, cp_backend), world_size)
-    for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
+    config = fitted(parallelism_from_sizes(sizes, cp_backend, pp_schedule, pp_microbatches), world_size)
+    for name, what in (("tp_size", "tensor"), ("cp_size", "context"), ("pp_size", "pipeline")):
         size = getattr(config, name)
         if size > 1 and deepspeed:
             raise ConfigError(
@@ -121,7 +138,13 @@ def parallel_problems(s: Settings) -> list[str]:
     """What the launch settings alone get wrong about the sizes (for ``launch`` and ``config validate``)."""
     try:
         check_sizes(
-            launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s), s["cp_backend"], s["device"] or "cpu"
+            launch_sizes(s),
+            s.world_size,
+            s["deepspeed"],
+            _given_source(s),
+            s["cp_backend"],
+            s["device"] or "cpu",
+            *_pipeline(s),
         )
     except ConfigError as error:
         return [str(error)]
@@ -131,20 +154,30 @@ def parallel_problems(s: Settings) -> list[str]:
 def plan_for_script(s: Settings) -> ParallelPlan | None:
     """The launch's sizes for a script or module; None when none was given."""
     device = s["device"] or "cpu"
-    config = check_sizes(launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s), s["cp_backend"], device)
+    config = check_sizes(
+        launch_sizes(s), s.world_size, s["deepspeed"], _given_source(s), s["cp_backend"], device, *_pipeline(s)
+    )
     return None if config is None else ParallelPlan(config, _given_source(s), device=device)
+
+
+def _pipeline(s: Settings) -> tuple[str | None, int | None]:
+    """The launch's pipeline schedule and microbatches (None: not given)."""
+    return s["pp_schedule"], s["pp_microbatches"]
 
 
 def plan_for_train(s: Settings, user_args: Sequence[str]) -> ParallelPlan | None:
     """The sizes ``train`` runs with: its own flags' where it sets any (the launch's are then not passed on, with a
     note), else the launch's, passed as flags; checked against the world, DeepSpeed, the device and the model's
-    config. ``--cp_backend`` likewise: the train arguments' own when they set it, else the launch's."""
+    config. ``--cp_backend``, ``--pp_schedule`` and ``--pp_microbatches`` likewise: the train arguments' own when they
+    set them, else the launch's."""
     user = train_sources(user_args)
     own = [name for name in TRAIN_SIZES if name in user]
     launched = launch_sizes(s)
     notes: list[str] = []
-    values = _train_values(user_args) if own or "parallelism_config" in user or "cp_backend" in user else {}
-    backend = values.get("cp_backend") if "cp_backend" in user else s["cp_backend"]
+    options = ("cp_backend", *PIPELINE_OPTIONS)
+    read = own or "parallelism_config" in user or any(name in user for name in options)
+    values = _train_values(user_args) if read else {}
+    chosen = {name: values.get(name) if name in user else s[name] for name in options}
     if own or "parallelism_config" in user:
         sizes = {name: values.get(name) for name in TRAIN_SIZES}
         shown = [name for name in own if (sizes[name] or 1) > 1] or own
@@ -159,15 +192,25 @@ def plan_for_train(s: Settings, user_args: Sequence[str]) -> ParallelPlan | None
         flags = [
             word for name in TRAIN_SIZES if launched[name] is not None for word in (f"--{name}", str(launched[name]))
         ]
-        if s["cp_backend"] is not None and "cp_backend" not in user and flags:
-            flags += ["--cp_backend", s["cp_backend"]]
+        for name in options:
+            if s[name] is not None and name not in user and flags:
+                flags += [f"--{name}", str(s[name])]
     deepspeed = s["deepspeed"] or "deepspeed" in train_sources(user_args)
     device = s["device"] or "cpu"
-    config = check_sizes(sizes, s.world_size, deepspeed, source, backend, device)
+    config = check_sizes(
+        sizes,
+        s.world_size,
+        deepspeed,
+        source,
+        chosen["cp_backend"],
+        device,
+        chosen["pp_schedule"],
+        chosen["pp_microbatches"],
+    )
     if config is None:
         return None
-    if config.tp_size > 1 or config.cp_size > 1:
-        notes += check_train_model(user_args, config.tp_size, config.cp_size)
+    if config.tp_size > 1 or config.cp_size > 1 or config.pp_size > 1:
+        notes += check_train_model(user_args, config.tp_size, config.cp_size, pipeline_stages(config))
     return ParallelPlan(config, source, flags, notes, device)
 
 
@@ -178,9 +221,10 @@ def _train_values(args: Sequence[str]) -> dict[str, Any]:
     return parse_train_values(args)[0]
 
 
-def check_train_model(args: Sequence[str], tp_size: int, cp_size: int = 1) -> list[str]:
-    """ConfigError when the train job's model cannot be split over ``tp_size`` ranks or its sequences over
-    ``cp_size``; notes when its config cannot be read here (a hub id: checked when the model is built)."""
+def check_train_model(args: Sequence[str], tp_size: int, cp_size: int = 1, pp_stages: int = 1) -> list[str]:
+    """ConfigError when the train job's model cannot be split over ``tp_size`` ranks, its sequences over ``cp_size``
+    or its layers into ``pp_stages`` pipeline stages; notes when its config cannot be read here (a hub id: checked
+    when the model is built)."""
     from trainer_ext.job.parallel import check_job_model
 
-    return check_job_model(_train_values(args), tp_size, cp_size)
+    return check_job_model(_train_values(args), tp_size, cp_size, pp_stages)

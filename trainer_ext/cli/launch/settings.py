@@ -67,6 +67,9 @@ SHOWN = (
     "tp_size",
     "cp_size",
     "cp_backend",
+    "pp_size",
+    "pp_schedule",
+    "pp_microbatches",
 )
 PROCESS_KEYS = ("num_processes", "nproc_per_node")
 # command-line values go through the same checks as config-file values
