@@ -56,11 +56,13 @@ def run_summary(
     mesh: str | None = None,
     data_parallel: int | None = None,
     context_parallel: str | None = None,
+    pipeline: str | None = None,
 ) -> str:
     """The block as text (a pure function so that it is tested without a run). ``mesh`` and ``data_parallel``: the
     parallelism config's mesh and its data-parallel ranks (the world over tensor- and context-parallel ranks, which
     share a batch): those ranks, not the processes, multiply the batch. ``context_parallel``: the context-parallel
-    ranks and attention (:func:`_context_parallel`)."""
+    ranks and attention (:func:`_context_parallel`). ``pipeline``: the stages, schedule, microbatches and bubble
+    (:func:`_pipeline`)."""
     ranks = world_size if data_parallel is None else data_parallel
     global_batch = ranks * per_device_batch * accumulation
     lines = [
@@ -80,6 +82,8 @@ def run_summary(
         ]
     if context_parallel is not None:
         lines.append(f"  context parallel        = {context_parallel}")
+    if pipeline is not None:
+        lines.append(f"  pipeline parallel       = {pipeline}")
     lines += [
         f"  per-device batch        = {per_device_batch}",
         f"  accumulation steps      = {accumulation}",
@@ -124,9 +128,23 @@ def _mesh(engine: Any, world_size: int) -> tuple[str | None, int | None]:
 def _group(mesh: str) -> str:
     """The group whose ranks share a batch, named by the mesh's dimensions: tensor- and/or context-parallel."""
     dims = {part.split()[0] for part in mesh.split(" x ")}
+    if "pp" in dims:
+        return "pipeline"
     if {"tp", "cp"} <= dims:
         return "tensor- and context-parallel group"
     return "context-parallel group" if "cp" in dims else "tensor-parallel group"
+
+
+def _pipeline(engine: Any, model: Any) -> str | None:
+    """``2 stages (layers 0-3 | 4-7), 1f1b, 4 microbatches, bubble 20%``: the pipeline's stages (their layers from
+    the runtime the prepared model carries, when it does), schedule, microbatches and idle share; None without pp."""
+    config = getattr(engine, "parallelism_config", None)
+    if config is None or getattr(config, "pp_size", 1) <= 1:
+        return None
+    from trainer_ext.job.parallel import pipeline_text
+
+    runtime = getattr(model, "_trainer_ext_pipeline", None)
+    return pipeline_text(config, getattr(runtime, "ranges", None))
 
 
 def _context_parallel(engine: Any) -> str | None:
@@ -172,5 +190,6 @@ class RunSummaryCallback(TrainerCallback):
             mesh=mesh,
             data_parallel=data_parallel,
             context_parallel=_context_parallel(engine),
+            pipeline=_pipeline(engine, trainer.model),
         )
         print(self.printed, flush=True)

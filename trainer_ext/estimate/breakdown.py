@@ -91,8 +91,13 @@ def optimizer_state(shape: ModelShape, setup: Setup) -> int:
 
 
 def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Breakdown:
-    """The per-rank memory of ``setup`` (at micro-batch ``batch``, default the setup's)."""
+    """The per-rank memory of ``setup`` (at micro-batch ``batch``, default the setup's); under pipeline
+    parallelism the busiest stage rank's (:mod:`trainer_ext.estimate.pipeline`)."""
     batch = setup.micro_batch if batch is None else batch
+    if setup.pp_size > 1:
+        from trainer_ext.estimate.pipeline import pipeline_estimate
+
+        return pipeline_estimate(shape, setup, batch)
     weights, gradients, optimizer, transient, offloaded = _states(shape, setup)
     full = activation_bytes(shape, setup, batch, checkpointing=False)
     checkpointed = activation_bytes(shape, setup, batch, checkpointing=True)

@@ -26,8 +26,8 @@ from trainer_ext.job.model_limits import check_job_config, check_model_config
 # read here, not by TrainingArguments: they would check this machine (fp16 needs CUDA, FSDP needs a launcher)
 TARGET_FLAGS = ("fsdp", "fsdp_config", "deepspeed", "fp16", "bf16", "fp8")
 # the mesh's sizes: checked against --num_processes here, not against this one process by TrainingArguments
-PARALLEL_FLAGS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-PARALLEL_OPTIONS = (*PARALLEL_FLAGS, "cp_backend")
+PARALLEL_FLAGS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
+PARALLEL_OPTIONS = (*PARALLEL_FLAGS, "cp_backend", "pp_schedule", "pp_microbatches")
 ESTIMATE_FLAGS = ("num_processes", "device_memory", "measure", "json")
 
 
@@ -164,12 +164,17 @@ def parallel_sizes(values: dict[str, Any], num_processes: int | None) -> tuple[A
     multiply to the processes, tensor or context parallelism with DeepSpeed."""
     from trainer_ext.job.parallel import fitted, parallelism_from_sizes
 
-    config = parallelism_from_sizes({name: values.get(name) for name in PARALLEL_FLAGS}, values.get("cp_backend"))
+    config = parallelism_from_sizes(
+        {name: values.get(name) for name in PARALLEL_FLAGS},
+        values.get("cp_backend"),
+        values.get("pp_schedule"),
+        values.get("pp_microbatches"),
+    )
     world = num_processes if num_processes is not None else (config.total_size if config else 1)
     if config is None:
         return None, world
     config = fitted(config, world)
-    for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
+    for name, what in (("tp_size", "tensor"), ("cp_size", "context"), ("pp_size", "pipeline")):
         size = getattr(config, name)
         if size > 1 and values.get("deepspeed"):
             raise ConfigError(
@@ -191,6 +196,20 @@ def check_tp_model(model: torch.nn.Module, tp_size: int, source: str, vocab: boo
     check_tp_config(values, plan, tp_size, source, vocab)
 
 
+def check_pp_model(model: torch.nn.Module, config: Any) -> None:
+    """The model against the pipeline's split rule, as training checks it before splitting (one line)."""
+    from trainer_ext.distributed.pipeline.split import why_not
+    from trainer_ext.job.parallel import pipeline_stages
+
+    stages = pipeline_stages(config)
+    reason = why_not(model, stages)
+    if reason is not None:
+        raise ConfigError(
+            f"the model: pipeline of {stages} stages: {reason}; set --pp_size 1 (use --dp_shard_size), or estimate "
+            "another model"
+        )
+
+
 def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
     """Parse train flags, build the meta model, read the setup for ``num_processes`` ranks (default: the product of
     the parallel sizes, else 1)."""
@@ -202,7 +221,10 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
         from trainer_ext.job.parallel import check_cp_job
 
         args.tp_size = config.tp_size  # a vocabulary from scratch is padded for it, as train pads it
+        from trainer_ext.job.parallel import check_pp_job
+
         notes += check_cp_job(vars(args), config.cp_size)  # the task, before the data is read
+        check_pp_job(vars(args), config.pp_size)
     model, seq_len, built_notes = build_meta_model(args)
     notes += built_notes
     if config is not None and config.tp_size > 1:
@@ -211,6 +233,8 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
         from trainer_ext.job.parallel import check_model_for_cp
 
         check_model_for_cp(model, config.cp_size, "the model")
+    if config is not None and config.pp_size > 1:
+        check_pp_model(model, config)
     filled = {
         **values,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -235,4 +259,9 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
                 f" ({config.cp_backend})" if used != config.cp_backend else ""
             )
     setup = setup_from_values(filled, num_processes, seq_len, device_type=device)
-    return Job(ModelShape.from_model(model), setup, args, tuple(notes), mesh)
+    shape = ModelShape.from_model(model)
+    if setup.pp_size > 1:
+        from trainer_ext.estimate.pipeline import describe as pipeline_text
+
+        mesh += f"; pipeline {pipeline_text(setup, shape)}"
+    return Job(shape, setup, args, tuple(notes), mesh)

@@ -70,6 +70,11 @@ class Setup:
     cp_size: int = 1  # context parallelism: ranks that split each sequence and see the same batch
     cp_backend: str = "all_gather"  # the context-parallel attention: all_gather (ours) or torch (ring attention)
     device_type: str = "cpu"  # where the job runs: all_gather keeps grouped key/value heads on CPU, repeated on CUDA
+    pp_size: int = (
+        1  # pipeline parallelism: ranks holding consecutive stages, seeing the same batch (estimate.pipeline)
+    )
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # microbatches per schedule run; 0: the schedule's default (one per stage)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -81,8 +86,8 @@ class Setup:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different batches: the world over the tensor- and context-parallel ranks."""
-        return max(self.world_size // max(self.tp_size * self.cp_size, 1), 1)
+        """Ranks that see different batches: the world over the tensor-, context- and pipeline-parallel ranks."""
+        return max(self.world_size // max(self.tp_size * self.cp_size * self.pp_size, 1), 1)
 
     @property
     def padded_seq_len(self) -> int:
@@ -99,15 +104,17 @@ class Setup:
 
     @property
     def mesh(self) -> str:
-        """The mesh as ``dp_replicate 2 x dp_shard 2 x cp 2 x tp 2`` (dimensions above 1); '' without tensor or
-        context parallelism or a replicated FSDP."""
-        if self.tp_size <= 1 and self.cp_size <= 1 and not (self.strategy == "fsdp" and self.replicate > 1):
+        """The mesh as ``dp_replicate 2 x dp_shard 2 x pp 2`` or ``... x cp 2 x tp 2`` (dimensions above 1); ''
+        without tensor, context or pipeline parallelism or a replicated FSDP."""
+        split = self.tp_size > 1 or self.cp_size > 1 or self.pp_size > 1
+        if not split and not (self.strategy == "fsdp" and self.replicate > 1):
             return ""
         if self.strategy == "fsdp":  # FSDP2 shards over dp_shard x cp: the shards hold cp_size of each dp_shard
-            dims = (("dp_replicate", self.replicate), ("dp_shard", self.shards // max(self.cp_size, 1)))
+            shard = self.shards // max(self.cp_size * self.pp_size, 1)
+            dims = (("dp_replicate", self.replicate), ("dp_shard", shard))
         else:
             dims = (("dp_replicate", self.data_parallel),)
-        dims += (("cp", self.cp_size), ("tp", self.tp_size))
+        dims += (("pp", self.pp_size), ("cp", self.cp_size), ("tp", self.tp_size))
         return " x ".join(f"{name} {size}" for name, size in dims if size > 1)
 
     @property
@@ -136,8 +143,9 @@ class Setup:
             name += f" (offload {', '.join(offloads)})" if offloads else ""
         else:
             name = self.strategy.upper() if self.strategy == "ddp" else "single process"
-        if self.tp_size > 1 or self.cp_size > 1:
-            parts = [f"tensor parallel {self.tp_size}"] if self.tp_size > 1 else []
+        if self.tp_size > 1 or self.cp_size > 1 or self.pp_size > 1:
+            parts = [f"pipeline parallel {self.pp_size} ({self.pp_schedule})"] if self.pp_size > 1 else []
+            parts += [f"tensor parallel {self.tp_size}"] if self.tp_size > 1 else []
             parts += [f"context parallel {self.cp_size} ({self.cp_backend})"] if self.cp_size > 1 else []
             parts += [name] if self.data_parallel > 1 or self.shards > 1 else []
             name = " x ".join(parts) + f" (mesh {self.mesh})"
@@ -223,14 +231,18 @@ def setup_from_values(
         options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
     tp_size, cp_size = int(values.get("tp_size") or 1), int(values.get("cp_size") or 1)
+    pp_size = int(values.get("pp_size") or 1)
     dp_shard, dp_replicate = int(values.get("dp_shard_size") or 1), int(values.get("dp_replicate_size") or 1)
     if (dp_shard > 1 or cp_size > 1) and strategy != "fsdp":  # FSDP2 runs over a mesh's dp_shard x cp
         strategy = "fsdp"
         settings = parse_fsdp("full_shard", values.get("fsdp_config"))
         options.update(fsdp_options(settings, world_size))
         checkpointing = checkpointing or settings.activation_checkpointing
-    if strategy == "fsdp" and (dp_shard > 1 or tp_size > 1 or cp_size > 1):
+    if strategy == "fsdp" and (dp_shard > 1 or tp_size > 1 or cp_size > 1 or pp_size > 1):
         options["replicate"] = dp_replicate
+    if pp_size > 1:
+        schedule = values.get("pp_schedule") or "1f1b"
+        options.update(pp_size=pp_size, pp_schedule=schedule, pp_microbatches=int(values.get("pp_microbatches") or 0))
     if cp_size > 1:
         device = device_type or "cpu"
         options.update(

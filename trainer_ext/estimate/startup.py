@@ -66,13 +66,14 @@ def setup_for(args: Any, world_size: int, seq_len: int):
         gradient_checkpointing=getattr(args, "gradient_checkpointing", None),
         deepspeed=args.deepspeed,
     )
-    # the mesh's sizes: TP splits layers, CP sequences, dp_shard x cp runs FSDP2
+    # the mesh's sizes: TP splits layers, CP sequences, PP the model into stages, dp_shard x cp runs FSDP2
     config = getattr(args, "parallelism_config", None)
     if config is not None:
-        values.update(
-            {f"{name}_size": getattr(config, f"{name}_size", 1) for name in ("dp_replicate", "dp_shard", "tp", "cp")}
-        )
+        names = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
+        values.update({f"{name}_size": getattr(config, f"{name}_size", 1) or 1 for name in names})
         values["cp_backend"] = getattr(config, "cp_backend", None)
+        values["pp_schedule"] = getattr(config, "pp_schedule", None)
+        values["pp_microbatches"] = getattr(config, "pp_microbatches", None)
     plugin = getattr(args, "fsdp_plugin_args", None)
     settings = FSDPSettings.from_dict(plugin) if plugin is not None else None
     device = getattr(getattr(args, "device", None), "type", None) or "cpu"
@@ -88,6 +89,9 @@ def startup_estimate(trainer: Any) -> str | None:
     try:
         shape = ModelShape.from_model(trainer.model)
         setup = setup_for(args, args.world_size, _sequence_length(args, trainer.train_dataset))
+        if setup.pp_size > 1 and getattr(trainer.model, "_trainer_ext_pipeline", None) is not None:
+            # already split: the model is this rank's stages, estimated as one stage's data-parallel job
+            setup = setup.replace(pp_size=1, world_size=max(setup.world_size // setup.pp_size, 1))
         limit = device_memory_limit(args)
         breakdown = estimate(shape, setup)
     except Exception as error:  # noqa: BLE001 - an estimate must never stop a training job
