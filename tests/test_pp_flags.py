@@ -179,3 +179,30 @@ def test_launch_refusals_are_one_line_and_exit_2(tmp_path, llama):
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_processes: 2\nparallelism_config:\n  pp_schedule: zigzag\n")
     assert "parallelism_config.pp_schedule" in _launch(tmp_path, "--config_file", str(bad), "--dry_run", *causal)
+
+
+def test_the_start_up_block_has_a_pipeline_line():
+    from types import SimpleNamespace
+
+    from trainer_ext.callbacks.run_summary import _pipeline, run_summary
+
+    config = parallelism_from_sizes({"pp_size": 2}, pp_microbatches=4)
+    model = SimpleNamespace(_trainer_ext_pipeline=SimpleNamespace(ranges=[(0, 4), (4, 8)]))
+    line = _pipeline(SimpleNamespace(parallelism_config=config), model)
+    assert line == pipeline_text(config, [(0, 4), (4, 8)])
+    assert _pipeline(SimpleNamespace(parallelism_config=parallelism_from_sizes({"tp_size": 2})), model) is None
+    block = run_summary(
+        world_size=2,
+        per_device_batch=8,
+        accumulation=1,
+        batches_per_epoch=10,
+        max_steps=10,
+        precision="no",
+        strategy="pipeline",
+        schedule="linear",
+        mesh="pp 2",
+        data_parallel=1,
+        pipeline=line,
+    )
+    assert "  pipeline parallel       = 2 stages (layers 0-3 | 4-7), 1f1b, 4 microbatches, bubble 20%" in block
+    assert "the ranks of one pipeline share a batch" in block

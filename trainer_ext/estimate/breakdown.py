@@ -7,8 +7,9 @@ copies, DDP's gradient buckets, the logits around the loss); the fit search and 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from trainer_ext.estimate import pipeline
 from trainer_ext.estimate.activations import activation_bytes, transient_activation_bytes
 from trainer_ext.estimate.setup import Setup
 from trainer_ext.estimate.shape import ModelShape
@@ -95,9 +96,7 @@ def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Break
     parallelism the busiest stage rank's (:mod:`trainer_ext.estimate.pipeline`)."""
     batch = setup.micro_batch if batch is None else batch
     if setup.pp_size > 1:
-        from trainer_ext.estimate.pipeline import pipeline_estimate
-
-        return pipeline_estimate(shape, setup, batch)
+        return _pipeline_estimate(shape, setup, batch)
     weights, gradients, optimizer, transient, offloaded = _states(shape, setup)
     full = activation_bytes(shape, setup, batch, checkpointing=False)
     checkpointed = activation_bytes(shape, setup, batch, checkpointing=True)
@@ -111,3 +110,18 @@ def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Break
         transient=int(transient + transient_activation_bytes(shape, setup, batch, setup.checkpointing)),
         offloaded=int(offloaded),
     )
+
+
+def _pipeline_estimate(shape: ModelShape, setup: Setup, batch: int) -> Breakdown:
+    """The busiest pipeline rank: each rank's part estimated as one stage's job at one microbatch, its activations
+    times the microbatches in flight (:mod:`trainer_ext.estimate.pipeline`)."""
+    parts, inner, micro, flight = pipeline.rank_parts(shape, setup, batch)
+    best = None
+    for part in parts:
+        one = estimate(part, inner, micro)
+        names = ("activations", "activations_checkpointed", "activations_full")
+        result = replace(one, **{name: getattr(one, name) * flight for name in names})
+        if best is None or result.peak > best.peak:
+            best = result
+    assert best is not None
+    return best

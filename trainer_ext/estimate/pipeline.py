@@ -30,7 +30,6 @@ from trainer_ext.distributed.pipeline.schedules import (
 )
 
 if TYPE_CHECKING:
-    from trainer_ext.estimate.breakdown import Breakdown
     from trainer_ext.estimate.setup import Setup
     from trainer_ext.estimate.shape import ModelShape
 
@@ -94,30 +93,19 @@ def _rank_shape(shape: ModelShape, ranges: list[tuple[int, int]], stages: list[i
     )
 
 
-def pipeline_estimate(shape: ModelShape, setup: Setup, batch: int) -> Breakdown:
-    """The per-rank memory of the busiest pipeline rank at a per-rank batch of ``batch`` sequences."""
-    from trainer_ext.estimate.breakdown import estimate
-
+def rank_parts(shape: ModelShape, setup: Setup, batch: int) -> tuple[list[ModelShape], Setup, int, int]:
+    """What each pipeline rank estimates as a job of its own at a per-rank batch of ``batch`` sequences: the parts
+    of ``shape`` the ranks hold, the setup of one stage's data-parallel job (one microbatch per micro-batch), the
+    sequences per microbatch and the microbatches in flight its activations are multiplied by.
+    :func:`trainer_ext.estimate.breakdown.estimate` takes the rank with the largest peak."""
     ranges = stage_ranges(shape, setup)
-    count = microbatches(setup)
-    micro = -(-batch // count)  # sequences per microbatch
-    flight = in_flight(setup)
+    micro = -(-batch // microbatches(setup))  # sequences per microbatch
     # the stage's data-parallel world: FSDP2 shards each stage over the ranks that hold the same one
     inner = setup.replace(pp_size=1, world_size=max(setup.world_size // setup.pp_size, 1), micro_batch=micro)
     if inner.strategy == "ddp" and inner.data_parallel == 1:  # the pipeline alone: no gradient buckets
         inner = inner.replace(strategy="single")
-    best = None
-    for rank in range(setup.pp_size):
-        part = estimate(_rank_shape(shape, ranges, stage_ids(setup.pp_schedule, rank, setup.pp_size)), inner, micro)
-        scaled = {
-            name: getattr(part, name) * flight
-            for name in ("activations", "activations_checkpointed", "activations_full")
-        }
-        result = dataclasses.replace(part, **scaled)
-        if best is None or result.peak > best.peak:
-            best = result
-    assert best is not None
-    return best
+    parts = [_rank_shape(shape, ranges, stage_ids(setup.pp_schedule, r, setup.pp_size)) for r in range(setup.pp_size)]
+    return parts, inner, micro, in_flight(setup)
 
 
 def describe(setup: Setup, shape: ModelShape | None = None) -> str:
