@@ -29,6 +29,7 @@ from trainer_ext.trainer.context_parallel import ContextParallelMixin
 from trainer_ext.trainer.exact_eval import ExactEvalLossMixin
 from trainer_ext.trainer.foreign_accelerate import align_accelerate_state
 from trainer_ext.trainer.lean_step import LeanStepMixin
+from trainer_ext.trainer.pipeline import PipelineMixin
 from trainer_ext.trainer.sharded import ShardedCheckpointMixin
 from trainer_ext.trainer.training_args import STOCK_TRAINING_ARGUMENTS, TrainingArguments
 
@@ -109,6 +110,7 @@ def _log_mean_loss_head(model: str, args: TrainingArguments) -> None:
 
 
 class Trainer(
+    PipelineMixin,  # first: under pipeline parallelism its steps replace the others'
     ExactEvalLossMixin,
     ContextParallelMixin,  # after exact eval: it reads the loss summed over the cp ranks
     AutoBatchMixin,

@@ -32,13 +32,16 @@ class PipelineRuntime:
         microbatches: int,
         device: torch.device,
         ranges: list[tuple[int, int]],
+        dtype: torch.dtype,
     ) -> None:
         self.model, self.stages, self.stage_ids, self.num_stages = model, stages, stage_ids, num_stages
         self.group, self.schedule_name, self.microbatches, self.device = group, schedule, microbatches, device
         self.ranges = ranges
+        self.dtype = dtype
         self.pp_size = dist.get_world_size(group)
         self.pp_rank = dist.get_rank(group)
         self.last_rank = dist.get_global_rank(group, schedules.owner_of_stage(schedule, num_stages - 1, self.pp_size))
+        self._started: dict[int, bool] = {}
         self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._num_items: torch.Tensor | float = 1.0
         self._scale = 1.0
@@ -68,8 +71,11 @@ class PipelineRuntime:
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
+        rows, length = key[0]
         stages = [
-            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            PipelineStage(
+                module, index, self.num_stages, self.device, group=self.group, **self._metas(index, rows, length)
+            )
             for module, index in zip(self.stages, self.stage_ids, strict=True)
         ]
         cls = getattr(torch_schedules, schedules.SCHEDULES[self.schedule_name][0])
@@ -80,8 +86,30 @@ class PipelineRuntime:
             built = cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._schedules[key] = built
         while len(self._schedules) > _CACHED:
-            self._schedules.popitem(last=False)
+            _, dropped = self._schedules.popitem(last=False)
+            self._started.pop(id(dropped), None)
         return built
+
+    def _gradients(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        return {p: p.grad for p in self.model.parameters() if p.grad is not None}
+
+    def _metas(self, index: int, rows: int, length: int) -> dict[str, Any]:
+        """Each stage's input and output shapes given up front (static mode): torch would otherwise infer them by a
+        forward on meta tensors, which under FSDP gathers parameters on this data-parallel rank alone whenever its
+        batch shape is new (the other replicas are not there: a hang)."""
+        rows //= self.microbatches
+        config = self.model.config
+        hidden = torch.empty(rows, length, config.hidden_size, dtype=self.dtype, device="meta")
+        logits = torch.empty(rows, length, config.vocab_size, dtype=self.dtype, device="meta")
+        first = torch.empty(rows, length, dtype=torch.long, device="meta")
+        # a received activation needs its gradient sent back: its meta says so
+        inputs = first if index == 0 else hidden.clone().requires_grad_(True)
+        metas = {"input_args": inputs, "output_args": logits if index == self.num_stages - 1 else hidden}
+        if index > 0:
+            metas["input_grads"] = hidden
+        if index < self.num_stages - 1:
+            metas["output_grads"] = hidden
+        return metas
 
     def _padded(self, batch: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """The batch with rows added (labels ignored, keys masked) up to a multiple of the microbatch count, so every
@@ -129,7 +157,13 @@ class PipelineRuntime:
         target = padded.get("labels") if self.has_last_stage else None
         args = (ids,) if self.has_first_stage else ()
         if train:
+            # a schedule's first run sets torch's stages up and clears the stage parameters' gradients: those of the
+            # accumulation window's earlier steps are put back after it
+            kept = {} if self._started.get(id(schedule)) else self._gradients()
+            self._started[id(schedule)] = True
             output = schedule.step(*args, target=target, losses=losses, **kwargs)
+            for parameter, grad in kept.items():
+                parameter.grad = grad if parameter.grad is None else parameter.grad + grad
         else:
             output = schedule.eval(*args, target=target, losses=losses, **kwargs)
         if output is not None:
@@ -141,14 +175,14 @@ class PipelineRuntime:
         self, batch: dict[str, Any], num_items_in_batch: torch.Tensor | float | None, scale: float = 1.0
     ) -> torch.Tensor:
         """Forward and backward of ``batch`` in microbatches; gradients accumulate in the stages' parameters.
-        Returns the loss (summed token losses over ``num_items_in_batch``, this batch's label count when None),
-        the same on every pipeline rank; backward took it times ``scale``."""
+        Returns the loss backward took (summed token losses over ``num_items_in_batch``, this batch's label count
+        when None, times ``scale``), the same on every pipeline rank."""
         if num_items_in_batch is None:
             labels = batch["labels"][..., 1:]
             num_items_in_batch = labels.ne(-100).sum()
         self._num_items, self._scale = num_items_in_batch, scale
         losses, _ = self._run(batch, train=True)
-        return self._broadcast_loss(losses, scale)
+        return self._broadcast_loss(losses)
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -158,20 +192,17 @@ class PipelineRuntime:
         if labels is not None:
             self._num_items = labels[..., 1:].ne(-100).sum()
         losses, logits = self._run(batch, train=False)
-        loss = self._broadcast_loss(losses, 1.0) if labels is not None else None
+        loss = self._broadcast_loss(losses) if labels is not None else None
         rows, length = batch["input_ids"].shape
         shape = (rows, length, self.model.config.vocab_size)
         if logits is None:
-            logits = torch.empty(shape, dtype=self._logits_dtype(), device=self.device)
+            logits = torch.empty(shape, dtype=self.dtype, device=self.device)
         dist.broadcast(logits.contiguous() if logits.device == self.device else logits, self.last_rank, self.group)
         return loss, logits
 
-    def _logits_dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if self.has_last_stage:
-            total = torch.stack([loss.detach().float() for loss in losses]).sum() / scale
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(total, self.last_rank, self.group)

@@ -11,6 +11,7 @@ from trainer_ext.distributed.strategies.base import Strategy
 from trainer_ext.distributed.strategies.ddp import DDPStrategy
 from trainer_ext.distributed.strategies.deepspeed.strategy import DeepSpeedStrategy
 from trainer_ext.distributed.strategies.fsdp.strategy import FSDPStrategy
+from trainer_ext.distributed.strategies.pipeline import PipelineStrategy
 from trainer_ext.distributed.strategies.single import SingleDeviceStrategy
 from trainer_ext.errors import ConfigError, did_you_mean
 
@@ -19,12 +20,16 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
     "fsdp": FSDPStrategy,
     "deepspeed": DeepSpeedStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 
 def strategy_for(name: str | None, parallelism: ParallelismConfig | None, world_size: int) -> type[Strategy]:
     """The strategy class ``name`` names (default: ``fsdp`` when ``parallelism`` splits the model over a mesh, else
-    ``ddp`` for several processes, else ``single``), checked to take ``parallelism``'s layout (no group needed)."""
+    ``ddp`` for several processes, else ``single``; ``pipeline`` when it has ``pp_size > 1``, FSDP's settings kept),
+    checked to take ``parallelism``'s layout (no group needed)."""
+    if parallelism is not None and parallelism.pp_enabled and name in (None, "fsdp"):
+        name = "pipeline"
     if name is None:
         if parallelism is not None and parallelism.splits_model:
             name = "fsdp"
@@ -59,6 +64,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",
+    "PipelineStrategy",
     "SingleDeviceStrategy",
     "Strategy",
     "checkpoint_owner",
