@@ -126,7 +126,10 @@ def check_model_matches(model: torch.nn.Module, directory: str | os.PathLike) ->
     a model with adapters may leave out its frozen parameters."""
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
     must_have = None
-    if has_adapters(model):
+    whole = getattr(model, "_trainer_ext_full_shapes", None)
+    if whole is not None:  # one pipeline stage's part of the model: the checkpoint holds the whole of it
+        must_have, expected = list(expected), whole
+    elif has_adapters(model):
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         must_have = [name for name in expected if name not in frozen]
     check_shapes(Path(directory).name, saved_shapes(directory), expected, must_have)
@@ -137,9 +140,22 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:
     _dcp(dcp.save, get_model_state_dict(model, options=_model_options(model)), Path(directory) / MODEL_DIR)
 
 
+def _flat(flatten: bool) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+
+def _is_flat(directory: Path) -> bool:
+    """Whether an optimizer checkpoint keeps its hyperparameters per parameter (``param_groups.<name>.lr``)."""
+    metadata = load_metadata(directory / METADATA)
+    return any(key.startswith("param_groups.") for key in metadata.state_dict_metadata)
+
+
 def save_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.PathLike) -> None:
-    """Every rank writes its shards of the optimizer state, keyed by parameter name (a collective)."""
-    state = get_optimizer_state_dict(model, _inner(optimizer))
+    """Every rank writes its shards of the optimizer state, keyed by parameter name (a collective). A pipeline stage
+    keeps its hyperparameters per parameter too: each rank's groups hold other parameters, and one list of groups
+    saved for all would lose the others'."""
+    flatten = getattr(model, "_trainer_ext_full_shapes", None) is not None
+    state = get_optimizer_state_dict(model, _inner(optimizer), options=_flat(flatten))
     _dcp(dcp.save, state, Path(directory) / OPTIMIZER_DIR)
 
 
@@ -154,18 +170,23 @@ def load_model(model: torch.nn.Module, directory: str | os.PathLike) -> None:
 
 def load_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.PathLike) -> None:
     """Load a sharded optimizer checkpoint into ``optimizer`` (resharded to this job's layout)."""
-    state = get_optimizer_state_dict(model, _inner(optimizer))
+    options = _flat(_is_flat(Path(directory) / OPTIMIZER_DIR))
+    state = get_optimizer_state_dict(model, _inner(optimizer), options=options)
     _dcp(dcp.load, state, Path(directory) / OPTIMIZER_DIR)
-    set_optimizer_state_dict(model, _inner(optimizer), state)
+    set_optimizer_state_dict(model, _inner(optimizer), state, options=options)
 
 
 def load_full_optimizer(model: torch.nn.Module, optimizer: Any, saved: dict[str, Any]) -> None:
-    """Load an unsharded ``optimizer.state_dict()`` (parameters by index) into a sharded model's optimizer."""
+    """Load an unsharded ``optimizer.state_dict()`` (parameters by index) into a sharded model's optimizer. An
+    optimizer that lost other pipeline stages' parameters indexes by the whole model's order it was built with."""
     inner = _inner(optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in inner.param_groups for p in group["params"]]
-    state = {order[i]: value for i, value in saved["state"].items()}
-    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]
+    order = getattr(inner, "_trainer_ext_full_param_order", None) or [
+        names[id(p)] for group in inner.param_groups for p in group["params"]
+    ]
+    here = set(names.values())
+    state = {order[i]: value for i, value in saved["state"].items() if order[i] in here}
+    groups = [{**g, "params": [order[i] for i in g["params"] if order[i] in here]} for g in saved["param_groups"]]
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, inner, {"state": state, "param_groups": groups}, options=options)
 

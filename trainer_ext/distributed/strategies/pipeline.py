@@ -34,6 +34,10 @@ class PipelineStrategy(FSDPStrategy):
     name = "pipeline"
     title = "pipeline parallelism"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._full_names: dict[int, str] = {}  # parameter id before the split -> its name in the whole model
+
     @classmethod
     def check_parallelism(cls, config: ParallelismConfig) -> None:
         if not config.pp_enabled:
@@ -53,6 +57,7 @@ class PipelineStrategy(FSDPStrategy):
         shapes = split.full_shapes(model)
         ranges = split.layer_ranges(model, num_stages)
         before = dict(model.named_parameters())
+        self._full_names.update({id(p): name for name, p in before.items()})
         split.prune(model, ranges, ids)
         stages = split.stage_modules(model, ranges, ids)
         mesh = self.mesh()
@@ -84,7 +89,11 @@ class PipelineStrategy(FSDPStrategy):
         return model
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point an optimizer built on the whole model at this rank's (sharded) parameters; the others' go."""
+        """Point an optimizer built on the whole model at this rank's (sharded) parameters; the others' go. The
+        whole model's order stays on it: an unsharded checkpoint's optimizer state is indexed by it."""
+        order = [self._full_names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+        if all(order) and not hasattr(optimizer, "_trainer_ext_full_param_order"):
+            optimizer._trainer_ext_full_param_order = order
         super().adopt_optimizer(optimizer)
         kept = {id(p) for model in self._kept_models() for p in model.parameters()}
         if not kept:
