@@ -35,6 +35,8 @@ _EXPORTS = {
     "ParallelismConfig": "trainer_ext.distributed.mesh.config",
     "TorchTensorParallelConfig": "trainer_ext.distributed.mesh.config",
     "context_parallel_batch": "trainer_ext.accelerator.context_parallel",
+    "pipeline_step": "trainer_ext.accelerator.pipeline",
+    "pipeline_eval_step": "trainer_ext.accelerator.pipeline",
     "LocalSGD": "trainer_ext.accelerator.local_sgd",
     "find_executable_batch_size": "trainer_ext.accelerator.loop_helpers",
     "set_seed": "trainer_ext.accelerator.loop_helpers",

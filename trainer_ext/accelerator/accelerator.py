@@ -39,7 +39,7 @@ from trainer_ext.accelerator.preparing import (
     show_loop_objects,
     spread_by_device_map,
 )
-from trainer_ext.accelerator.processes import join_uneven_inputs, mesh_rank, runs_on, unconfigured
+from trainer_ext.accelerator.processes import join_uneven_inputs, mesh_rank, runs_on
 from trainer_ext.accelerator.scheduler import PreparedScheduler
 from trainer_ext.accelerator.setup import (
     build_engine,
@@ -404,7 +404,7 @@ class Accelerator:
 
     # ranks along parallel dimensions: the mesh's, or accelerate's answers where the dimension is not configured
     tensor_parallel_rank = mesh_rank("tensor_parallel_rank", "tp")
-    pipeline_parallel_rank = unconfigured("pipeline_parallel_rank")
+    pipeline_parallel_rank = mesh_rank("pipeline_parallel_rank", "pp")
     context_parallel_rank = mesh_rank("context_parallel_rank", "cp")
     data_parallel_rank = mesh_rank("data_parallel_rank", "dp_replicate")
     data_parallel_shard_rank = mesh_rank("data_parallel_shard_rank", "dp_shard")

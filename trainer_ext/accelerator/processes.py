@@ -102,13 +102,3 @@ def mesh_rank(name: str, dimension: str) -> property:
         return built[dimension].get_local_rank()
 
     return property(read)
-
-
-def unconfigured(name: str) -> property:
-    """The rank ``name`` along a parallel dimension that is not configured: reading it raises accelerate's error."""
-    error, message = _UNCONFIGURED[name]
-
-    def read(_: Any) -> int:
-        raise error(message)
-
-    return property(read)
