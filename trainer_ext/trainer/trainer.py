@@ -110,9 +110,9 @@ def _log_mean_loss_head(model: str, args: TrainingArguments) -> None:
 
 
 class Trainer(
-    PipelineMixin,  # first: under pipeline parallelism its steps replace the others'
     ExactEvalLossMixin,
     ContextParallelMixin,  # after exact eval: it reads the loss summed over the cp ranks
+    PipelineMixin,  # after exact eval too; under pipeline parallelism its steps replace those below
     AutoBatchMixin,
     LeanStepMixin,
     ShardedCheckpointMixin,

@@ -79,7 +79,7 @@ class PipelineRuntime:
             for module, index in zip(self.stages, self.stage_ids, strict=True)
         ]
         cls = getattr(torch_schedules, schedules.SCHEDULES[self.schedule_name][0])
-        loss_fn = self._loss if train else None
+        loss_fn = self._loss if key[2] else None  # the batch has labels
         if schedules.stages_per_rank(self.schedule_name) == 1:
             built = cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
