@@ -145,7 +145,7 @@ def test_the_dry_run_of_a_real_cli_shows_the_mesh():
     [
         (
             ["--num_processes", "4", "--tp_size", "2", *CAUSAL],
-            "ParallelismConfig spans 2 processes (dp_replicate 1 × dp_shard 1 × tp 2 × cp 1 × sp 1 × pp 1) but the job has 4: "
+            "ParallelismConfig spans 2 processes (dp_replicate 1 × dp_shard 1 × tp 2 × cp 1 × sp 1) but the job has 4: "
             "make the sizes multiply to 4, or launch 2 processes",
         ),
         (

@@ -20,7 +20,8 @@ FLATTENED = (("dp", "dp_dim_names"), ("dp_shard_cp", "dp_shard_cp_dim_names"), (
 def check_world_size(config: ParallelismConfig, world_size: int) -> None:
     """Refuse sizes that do not multiply to ``world_size``, in one line naming each factor."""
     if config.total_size != world_size:
-        factors = " × ".join(f"{name} {size}" for name, size in config._sizes.items())
+        sizes = {name: size for name, size in config._sizes.items() if name != "pp" or size > 1}  # pp: ours
+        factors = " × ".join(f"{name} {size}" for name, size in sizes.items())
         raise ConfigError(
             f"ParallelismConfig spans {_processes(config.total_size)} ({factors}) but the job has {world_size}: "
             f"make the sizes multiply to {world_size}, or launch {_processes(config.total_size)}"
