@@ -61,9 +61,10 @@ class PipelineStrategy(FSDPStrategy):
         split.prune(model, ranges, ids)
         stages = split.stage_modules(model, ranges, ids)
         mesh = self.mesh()
-        dtype = next(model.parameters()).dtype  # what the stages compute and send in
+        for stage in stages:  # under --bf16/--fp16 each stage runs under autocast and sends float32, as the model
+            self.precision.patch_forward(stage)
+        dtype = torch.float32 if self.precision.dtype is not None else next(model.parameters()).dtype
         if mesh is not None:
-            dtype = self.mp_policy().param_dtype or dtype
             kwargs = {"mesh": mesh, "reshard_after_forward": False, "mp_policy": self.mp_policy()}
             for stage in stages:
                 for layer in stage.layers:
