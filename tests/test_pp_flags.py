@@ -102,9 +102,9 @@ def _train(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
         (["--task", "causal-lm", "--pp_size", "2"], "the preset tiny-llama: pipeline of 2 stages"),
         (["--task", "causal-lm", "--pp_size", "2", "--pp_schedule", "zigzag"], "--pp_schedule 'zigzag'"),
         (["--task", "causal-lm", "--pp_size", "2", "--pp_microbatches", "0"], "pp_microbatches must be at least 1"),
-        (["--task", "causal-lm", "--pp_size", "2", "--tp_size", "2"], "composes with data parallelism"),
+        (["--task", "causal-lm", "--pp_size", "2", "--cp_size", "2"], "does not compose with context parallelism"),
     ],
-    ids=["task", "tied-preset", "schedule", "microbatches", "with-tp"],
+    ids=["task", "tied-preset", "schedule", "microbatches", "with-cp"],
 )
 def test_train_refusals_are_one_line_and_exit_2(tmp_path, argv, words):
     proc = _train(tmp_path, *argv)

@@ -140,11 +140,10 @@ class ParallelismConfig:
                 "pipeline stages are data-parallel through FSDP2; set dp_shard_size instead (with dp_replicate_size "
                 "> 1 too for HSDP)"
             )
-        if self.pp_size > 1 and (self.tp_size > 1 or self.cp_size > 1):
+        if self.pp_size > 1 and self.cp_size > 1:
             raise ConfigError(
-                f"ParallelismConfig pp_size={self.pp_size} with tp_size={self.tp_size}, cp_size={self.cp_size}: "
-                "pipeline parallelism composes with data parallelism (dp_shard_size, dp_replicate_size) only; set "
-                "tp_size=1 and cp_size=1"
+                f"ParallelismConfig pp_size={self.pp_size} with cp_size={self.cp_size}: pipeline parallelism does not "
+                "compose with context parallelism yet; set cp_size=1"
             )
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (ours): the model split into stages over the mesh's ``pp`` dimension, each stage FSDP2-sharded
-over the data-parallel dimensions when there are any, run by a ``torch.distributed.pipelining`` schedule
+"""Pipeline parallelism (ours): the model split into stages over the mesh's ``pp`` dimension, each stage's layers
+tensor-parallel over ``tp`` when it is enabled and FSDP2-sharded over the data-parallel dimensions when there are any, run by a ``torch.distributed.pipelining`` schedule
 (:class:`~trainer_ext.distributed.pipeline.runtime.PipelineRuntime`, carried by the prepared model).
 
 Checkpoints are FSDP's sharded ones (each stage writes its tensors under the full model's names, so they load on any
@@ -19,6 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer_ext.distributed.mesh.config import ParallelismConfig
+from trainer_ext.distributed.mesh.grad_norm import total_grad_norm
+from trainer_ext.distributed.mesh.tensor_parallel import apply_tensor_parallel
 from trainer_ext.distributed.pipeline import checkpoint as pipeline_checkpoint
 from trainer_ext.distributed.pipeline import schedules, split
 from trainer_ext.distributed.pipeline.runtime import PipelineRuntime
@@ -52,6 +54,11 @@ class PipelineStrategy(FSDPStrategy):
         per_rank = schedules.stages_per_rank(config.pp_schedule)
         num_stages = config.pp_size * per_rank
         split.check_model(model, num_stages)
+        if self.mixed_precision == "fp16":
+            raise ConfigError(
+                "pipeline parallelism does not apply fp16's loss scaling inside its schedule: train with bf16 (or "
+                "float32), or set pp_size=1"
+            )
         pp_mesh = built["pp"]
         ids = schedules.stage_ids(config.pp_schedule, pp_mesh.get_local_rank(), config.pp_size)
         shapes = split.full_shapes(model)
@@ -59,6 +66,8 @@ class PipelineStrategy(FSDPStrategy):
         before = dict(model.named_parameters())
         self._full_names.update({id(p): name for name, p in before.items()})
         split.prune(model, ranges, ids)
+        if config.tp_enabled:  # the model's own plan over this rank's modules (what the split removed is skipped)
+            apply_tensor_parallel(model, built["tp"], getattr(config.tp_handler, "tp_plan", None))
         stages = split.stage_modules(model, ranges, ids)
         mesh = self.mesh()
         for stage in stages:  # under --bf16/--fp16 each stage runs under autocast and sends float32, as the model
@@ -111,16 +120,12 @@ class PipelineStrategy(FSDPStrategy):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip by the norm over every stage's gradients (and every shard's); returns it, the same on all ranks."""
+        """Clip by the norm over every stage's gradients (and every shard's and tensor-parallel slice's); returns it,
+        the same on all ranks."""
         params = [p for p in parameters if p.grad is not None]
-        grads = [p.grad for p in params]
         norm_type = float(norm_type)
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        else:
-            norm = torch.zeros((), device=self.state.device)
-        norm = norm.to(torch.float32)
+        norm = total_grad_norm(params, norm_type)
+        norm = norm.to(self.state.device, torch.promote_types(norm.dtype, torch.float32))
         group = self.parallel["pp"].get_group()
         if norm_type == float("inf"):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
@@ -128,8 +133,10 @@ class PipelineStrategy(FSDPStrategy):
             norm = norm**norm_type
             dist.all_reduce(norm, group=group)
             norm = norm ** (1.0 / norm_type)
-        if grads:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
         return norm
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
