@@ -39,6 +39,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=256,
         tie_word_embeddings=True,
     ),
+    # tiny-llama with 4 layers and its own lm_head: what pipeline parallelism splits (untied embeddings, a layer per
+    # stage even with 2 stages per rank on pp 2)
+    "tiny-llama-untied": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=2, n_positions=256),
 }
 DEFAULT_PRESET = {"sequence-classification": "tiny-bert", "causal-lm": "tiny-llama"}
