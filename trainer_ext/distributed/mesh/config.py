@@ -76,6 +76,30 @@ def _size(field_name: str, value: Any) -> int:
     return value
 
 
+def _split(value: Any) -> list[int] | None:
+    """``pp_split`` (ours): the first decoder layer of each stage after the first, as a list of whole numbers, from
+    ``value`` or ``PARALLELISM_CONFIG_PP_SPLIT`` ("4,8"); None leaves the stages balanced by parameter count."""
+    where = "pp_split"
+    if value is None:
+        text = os.environ.get(_env_name("pp_split"), "").strip()
+        if not text:
+            return None
+        where = f"{_env_name('pp_split')}={text}"
+        value = text.split(",")
+    try:
+        cuts = [operator.index(int(v)) if isinstance(v, str) else operator.index(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"ParallelismConfig {where} is not a list of layer indices: give the first layer of each stage after the "
+            "first, e.g. [4] or '4,8'"
+        ) from None
+    if not cuts or cuts != sorted(set(cuts)) or cuts[0] < 1:
+        raise ConfigError(
+            f"ParallelismConfig {where}: the layer indices must be increasing and at least 1, got {cuts}"
+        )
+    return cuts
+
+
 def _backend(field_name: str, value: Any, valid: tuple[str, ...]) -> str:
     """``value`` (or its ``PARALLELISM_CONFIG_*`` variable's, default the first valid one), checked against ``valid``."""
     if value is None:
@@ -104,6 +128,7 @@ class ParallelismConfig:
     pp_size: int | None = None
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
+    pp_split: list[int] | None = None
     tp_handler: Any = None
     cp_handler: Any = None
     sp_handler: Any = None
@@ -118,6 +143,7 @@ class ParallelismConfig:
         self.pp_schedule = _backend("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_microbatches is not None or os.environ.get(_env_name("pp_microbatches")):
             self.pp_microbatches = _size("pp_microbatches", self.pp_microbatches)
+        self.pp_split = _split(self.pp_split)
         if self.cp_size > 1 and self.sp_size > 1:
             raise ConfigError(
                 f"ParallelismConfig cp_size={self.cp_size} and sp_size={self.sp_size}: context and sequence "

@@ -100,7 +100,8 @@ def layer_ranges(model: nn.Module, num_stages: int, split: Sequence[int] | None 
         cuts = list(split)
         if len(cuts) != num_stages - 1 or cuts != sorted(set(cuts)) or not all(0 < c < count for c in cuts):
             raise ConfigError(
-                f"pipeline split {cuts} must be {num_stages - 1} increasing layer indices between 1 and {count - 1}"
+                f"pp_split {cuts} must be {num_stages - 1} increasing layer indices between 1 and {count - 1} (the "
+                f"first layer of each of the {num_stages} stages after the first)"
             )
         bounds = [0, *cuts, count]
         return list(zip(bounds[:-1], bounds[1:], strict=True))

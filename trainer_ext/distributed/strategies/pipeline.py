@@ -62,7 +62,7 @@ class PipelineStrategy(FSDPStrategy):
         pp_mesh = built["pp"]
         ids = schedules.stage_ids(config.pp_schedule, pp_mesh.get_local_rank(), config.pp_size)
         shapes = split.full_shapes(model)
-        ranges = split.layer_ranges(model, num_stages)
+        ranges = split.layer_ranges(model, num_stages, config.pp_split)
         before = dict(model.named_parameters())
         self._full_names.update({id(p): name for name, p in before.items()})
         split.prune(model, ranges, ids)
