@@ -298,24 +298,44 @@ EXAMPLE = ["--config", str(ROOT / "configs" / "examples" / "causal_lm.yaml")]
             ["--task", "causal-lm"],
             ["--num_processes", "8", "--cp_size", "4", "--dp_shard_size", "2", "--cp_backend", "all_gather", "--cpu"],
         ),
+        ("pp.sh", {}, [], ["--num_processes", "2", "--pp_size", "2", "--gpu_ids", "all"]),
+        (
+            "pp.sh",
+            {"PP": "4", "DP_SHARD": "2", "PP_SCHEDULE": "interleaved_1f1b", "PP_MICROBATCHES": "8", "DEVICE": "cpu",
+             "DRY_RUN": "1"},
+            ["--model_config=untied.json"],
+            ["--num_processes", "8", "--pp_size", "4", "--dp_shard_size", "2", "--pp_schedule", "interleaved_1f1b",
+             "--pp_microbatches", "8", "--cpu"],
+        ),
+        ("pp.sh", {"GPUS": "0,1"}, ["--config", "my.yaml"], ["--num_processes", "2", "--pp_size", "2", "--gpu_ids", "0,1"]),
     ],
 )  # fmt: skip
 def test_tensor_parallel_scripts_build_the_launch_command(
     tmp_path: Path, launch_config, script, env, args, launch_options
 ) -> None:
-    """The argv tp.sh, fsdp_tp.sh and cp.sh give `trainer-ext`: the sizes, the process count they multiply to, and
-    the causal-LM example as the job unless the arguments name a config, a model or a task."""
+    """The argv tp.sh, fsdp_tp.sh, cp.sh and pp.sh give `trainer-ext`: the sizes, the process count they multiply to,
+    and the causal-LM example as the job unless the arguments name a config, a model or a task (pp.sh: with the
+    untied preset the pipeline splits)."""
     environ = _stand_ins(tmp_path, launch_config, **{"trainer-ext": RECORD_ARGV})
     proc = _script(script, *args, "--max_steps", "3", env={**environ, **env})
     assert proc.returncode == 0, proc.stderr
     expected = ["launch", "--num_machines", "1", *launch_options, *(["--dry_run"] if "DRY_RUN" in env else [])]
-    expected += ["train", *(args or EXAMPLE), "--max_steps", "3"]
+    example = [*EXAMPLE, "--model_config", "tiny-llama-untied"] if script == "pp.sh" else EXAMPLE
+    expected += ["train", *(args or example), "--max_steps", "3"]
     assert (tmp_path / "log" / "argv").read_text().splitlines() == expected
 
 
 @pytest.mark.parametrize(
     ("script", "variable"),
-    [("tp.sh", "TP"), ("fsdp_tp.sh", "DP_SHARD"), ("fsdp_tp.sh", "TP"), ("cp.sh", "CP"), ("cp.sh", "DP_SHARD")],
+    [
+        ("tp.sh", "TP"),
+        ("fsdp_tp.sh", "DP_SHARD"),
+        ("fsdp_tp.sh", "TP"),
+        ("cp.sh", "CP"),
+        ("cp.sh", "DP_SHARD"),
+        ("pp.sh", "PP"),
+        ("pp.sh", "DP_SHARD"),
+    ],
 )
 def test_tensor_parallel_scripts_refuse_a_size_that_is_no_count(
     tmp_path: Path, launch_config, script, variable
@@ -345,6 +365,33 @@ def test_cp_script_dry_run_shows_the_mesh_and_a_bert_job_is_refused(launch_confi
     proc = _script("cp.sh", "--task", "sequence-classification", env=_environment(launch_config, DEVICE="cpu"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
     assert "cp_size 2: context parallelism splits causal language models' sequences" in proc.stderr
+
+
+def test_pp_script_dry_run_shows_the_mesh_and_a_tied_model_is_refused(launch_config) -> None:
+    """The untied preset splits into 2 stages; the example's own tiny-llama (tied) is refused before any process, and
+    so are a schedule and a microbatch count launch does not know."""
+    proc = _script("pp.sh", "--max_steps", "3", env=_environment(launch_config, DEVICE="cpu", DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh: pp 2 (1 data-parallel rank; pipeline 2 stages, 1f1b, 2 microbatches, bubble 33%;" in proc.stdout
+    command = proc.stdout.split("command:")[1]
+    assert "PARALLELISM_CONFIG_PP_SIZE=2" in command and "--nproc_per_node 2" in command
+    assert command.strip().endswith("--model_config tiny-llama-untied --max_steps 3 --use_cpu --pp_size 2")
+    env = _environment(launch_config, DEVICE="cpu", DRY_RUN="1", PP_SCHEDULE="interleaved_1f1b", PP_MICROBATCHES="4")
+    proc = _script("pp.sh", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "mesh: pp 2 (1 data-parallel rank; pipeline 4 stages on 2 ranks, interleaved_1f1b, 4 microbatches," in (
+        proc.stdout
+    )
+    proc = _script("pp.sh", *EXAMPLE, env=_environment(launch_config, DEVICE="cpu"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "the preset tiny-llama: pipeline of 2 stages: LlamaForCausalLM ties lm_head" in proc.stderr
+    for variable, value, message in (
+        ("PP_SCHEDULE", "zigzag", "'zigzag' is not one of 1f1b, gpipe,"),
+        ("PP_MICROBATCHES", "0", "--pp_microbatches: 0 must be between 1 and"),
+    ):
+        proc = _script("pp.sh", env=_environment(launch_config, DEVICE="cpu", **{variable: value}))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+        assert message in proc.stderr
 
 
 # a fine-tuning job on the example's corpus; the model comes from --model_name_or_path
