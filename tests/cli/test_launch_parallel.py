@@ -386,3 +386,17 @@ def test_the_shipped_fsdp_cp_launch_config():
         "mesh: dp_shard 2 x cp 2 (2 data-parallel ranks; context-parallel attention all_gather (auto); "
     )
     assert plan.command[-6:] == ["--dp_shard_size", "2", "--cp_size", "2", "--cp_backend", "auto"]
+
+
+def test_the_shipped_fsdp_pp_launch_config():
+    untied = [*CAUSAL, "--model_config", "tiny-llama-untied"]
+    settings, plan, _ = prepare(["--config_file", str(ROOT / "configs" / "launch" / "fsdp_pp.yaml"), *untied])
+    assert (settings.world_size, settings["device"]) == (4, "cpu")
+    assert plan.parallel.line().startswith(
+        "mesh: dp_shard 2 x pp 2 (2 data-parallel ranks; pipeline 2 stages, 1f1b, 4 microbatches, bubble 20%; "
+    )
+    assert plan.command[-8:] == [
+        "--dp_shard_size", "2", "--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "4"
+    ]  # fmt: skip
+    proc = launch_cli("--config_file", str(ROOT / "configs" / "launch" / "fsdp_pp.yaml"), "--dry_run", *CAUSAL)
+    assert one_problem(proc).startswith("the preset tiny-llama: pipeline of 2 stages: LlamaForCausalLM ties lm_head")
