@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import transformers
 
 from trainer_ext.distributed.pipeline.split import split_of
 from trainer_ext.errors import ConfigError
@@ -32,7 +31,7 @@ class PipelineMixin:
         runtime = self._pipeline_of(model)
         if runtime is None:
             return super().training_step(model, inputs, num_items_in_batch, **kwargs)
-        if type(self).compute_loss is not transformers.Trainer.compute_loss or self.compute_loss_func is not None:
+        if type(self).compute_loss is not PipelineMixin.compute_loss or self.compute_loss_func is not None:
             raise ConfigError(
                 f"pipeline parallelism computes the causal-LM loss on the last stage; {type(self).__name__} "
                 "computes its own (compute_loss or compute_loss_func): set pp_size=1"
@@ -48,6 +47,17 @@ class PipelineMixin:
         else:
             num_items_in_batch, scale = None, 1.0 / self.current_gradient_accumulation_steps
         return runtime.train_step(inputs, num_items_in_batch, scale=scale)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """Outside the training step (the exact eval loss's forward on a last batch's real rows): the forward
+        schedule's loss, the batch's token mean, and its logits."""
+        runtime = self._pipeline_of(model)
+        if runtime is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, logits = runtime.eval_step(inputs)
+        return (loss, {"logits": logits}) if return_outputs else loss
 
     def prediction_step(
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None

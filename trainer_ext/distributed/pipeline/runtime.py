@@ -91,7 +91,14 @@ class PipelineRuntime:
         return built
 
     def _gradients(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        return {p: p.grad for p in self.model.parameters() if p.grad is not None}
+        """The gradients a schedule's first run clears: those of the stages' FSDP modules (torch resets them after
+        setting the stages up); plain modules' gradients stay and accumulate in place."""
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = {
+            p for stage in self.stages for m in stage.modules() if isinstance(m, FSDPModule) for p in m.parameters()
+        }
+        return {p: p.grad for p in fsdp if p.grad is not None}
 
     def _metas(self, index: int, rows: int, length: int) -> dict[str, Any]:
         """Each stage's input and output shapes given up front (static mode): torch would otherwise infer them by a
@@ -154,18 +161,22 @@ class PipelineRuntime:
         key = (tuple(ids.shape), "attention_mask" in kwargs, padded.get("labels") is not None)
         schedule = self._schedule(key, train)
         losses: list[torch.Tensor] = []
+        # torch expects a loss per microbatch in the list it is given: none without labels (no loss function)
+        sink = losses if key[2] else None
         target = padded.get("labels") if self.has_last_stage else None
         args = (ids,) if self.has_first_stage else ()
         if train:
-            # a schedule's first run sets torch's stages up and clears the stage parameters' gradients: those of the
-            # accumulation window's earlier steps are put back after it
+            # a schedule's first run sets torch's stages up and clears the FSDP parameters' gradients: those of the
+            # accumulation window's earlier steps are taken out before it and added back after it
             kept = {} if self._started.get(id(schedule)) else self._gradients()
+            for parameter in kept:
+                parameter.grad = None
             self._started[id(schedule)] = True
-            output = schedule.step(*args, target=target, losses=losses, **kwargs)
+            output = schedule.step(*args, target=target, losses=sink, **kwargs)
             for parameter, grad in kept.items():
                 parameter.grad = grad if parameter.grad is None else parameter.grad + grad
         else:
-            output = schedule.eval(*args, target=target, losses=losses, **kwargs)
+            output = schedule.eval(*args, target=target, losses=sink, **kwargs)
         if output is not None:
             output = output[:rows]
         return losses, output
