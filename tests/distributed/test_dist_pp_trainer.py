@@ -24,13 +24,6 @@ from tests.distributed.pp_runs import OTHER_SCHEDULES, launched, source
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PARITY, ACROSS, EXACT = 1e-5, 1e-6, 1e-9
-# the launch fails: rank 1 raises in torch.distributed.pipelining (stage.get_local_bwd_output)
-ZBV_FORWARD = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="torch's ScheduleZBVZeroBubble.eval after training runs the V's same-rank backward hand-off: can't "
-    "steal_bwd_input if this stage doesn't have backward",
-)
 TRAINED = ["pp2", *(f"pp2_{s}" for s in OTHER_SCHEDULES), "pp_dp"]
 
 
@@ -90,7 +83,7 @@ def test_the_export_reloads_on_one_process(root: Path, mesh: str) -> None:
     assert got["logits_diff"] <= EXACT
 
 
-@pytest.mark.parametrize("mesh", ["pp2", "pp_dp", pytest.param("zbv_eval", marks=ZBV_FORWARD)])
+@pytest.mark.parametrize("mesh", ["pp2", "pp_dp", "zbv_eval"])
 def test_evaluation_matches_one_process(root: Path, mesh: str) -> None:
     """13 ragged rows in global batches of 4 (pp 2 × dp_shard 2: 2 a rank, so the same rows; the last batch has
     fewer rows than microbatches, and under dp_shard 2 mixes real and repeated rows): the exact ``eval_loss`` as one

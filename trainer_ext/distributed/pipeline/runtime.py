@@ -63,11 +63,12 @@ class PipelineRuntime:
         )
         return loss * self._scale
 
-    def _schedule(self, key: tuple[Any, ...], train: bool) -> Any:
+    def _schedule(self, key: tuple[Any, ...]) -> Any:
+        """The training schedule for batches of ``key`` = (shape, has a mask), built on first use (torch's stages
+        keep the shapes they were set up with)."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
-        key = (*key, train)
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
@@ -79,11 +80,10 @@ class PipelineRuntime:
             for module, index in zip(self.stages, self.stage_ids, strict=True)
         ]
         cls = getattr(torch_schedules, schedules.SCHEDULES[self.schedule_name][0])
-        loss_fn = self._loss if key[2] else None  # the batch has labels
         if schedules.stages_per_rank(self.schedule_name) == 1:
-            built = cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            built = cls(stages[0], self.microbatches, loss_fn=self._loss, scale_grads=False)
         else:
-            built = cls(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            built = cls(stages, self.microbatches, loss_fn=self._loss, scale_grads=False)
         self._schedules[key] = built
         while len(self._schedules) > _CACHED:
             _, dropped = self._schedules.popitem(last=False)
@@ -127,10 +127,7 @@ class PipelineRuntime:
         if rows < self.microbatches:
             extra = self.microbatches - rows
         out = dict(batch)
-        if "position_ids" not in out or out["position_ids"] is None:
-            out["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None].expand(rows, -1)
-        elif out["position_ids"].shape[0] != rows:
-            out["position_ids"] = out["position_ids"].expand(rows, -1)
+        out["position_ids"] = _positions(out.get("position_ids"), ids)
         if extra:
             pad = {"input_ids": 0, "labels": -100, "attention_mask": 0, "position_ids": 0}
             for name, value in pad.items():
@@ -144,7 +141,7 @@ class PipelineRuntime:
                 out[name] = torch.cat([tensor, filler])
         return out, rows
 
-    def _run(self, batch: dict[str, Any], train: bool) -> tuple[list[torch.Tensor], Any]:
+    def _check_columns(self, batch: dict[str, Any], train: bool) -> None:
         unknown = sorted(k for k, v in batch.items() if v is not None and k not in _INPUTS)
         if unknown:
             raise ConfigError(
@@ -153,33 +150,29 @@ class PipelineRuntime:
             )
         if batch.get("labels") is None and train:
             raise ConfigError("pipeline parallelism trains from labels (the last stage's loss): this batch has none")
-        padded, rows = self._padded(batch)
+
+    def _run(self, batch: dict[str, Any]) -> list[torch.Tensor]:
+        """One training run of the schedule over ``batch``; the microbatches' losses on the last stage."""
+        self._check_columns(batch, train=True)
+        padded, _ = self._padded(batch)
         ids = padded["input_ids"]
         kwargs = {"position_ids": padded["position_ids"]}
         if padded.get("attention_mask") is not None:
             kwargs["attention_mask"] = padded["attention_mask"]
-        key = (tuple(ids.shape), "attention_mask" in kwargs, padded.get("labels") is not None)
-        schedule = self._schedule(key, train)
+        schedule = self._schedule((tuple(ids.shape), "attention_mask" in kwargs))
         losses: list[torch.Tensor] = []
-        # torch expects a loss per microbatch in the list it is given: none without labels (no loss function)
-        sink = losses if key[2] else None
-        target = padded.get("labels") if self.has_last_stage else None
+        target = padded["labels"] if self.has_last_stage else None
         args = (ids,) if self.has_first_stage else ()
-        if train:
-            # a schedule's first run sets torch's stages up and clears the FSDP parameters' gradients: those of the
-            # accumulation window's earlier steps are taken out before it and added back after it
-            kept = {} if self._started.get(id(schedule)) else self._gradients()
-            for parameter in kept:
-                parameter.grad = None
-            self._started[id(schedule)] = True
-            output = schedule.step(*args, target=target, losses=sink, **kwargs)
-            for parameter, grad in kept.items():
-                parameter.grad = grad if parameter.grad is None else parameter.grad + grad
-        else:
-            output = schedule.eval(*args, target=target, losses=sink, **kwargs)
-        if output is not None:
-            output = output[:rows]
-        return losses, output
+        # a schedule's first run sets torch's stages up and clears the FSDP parameters' gradients: those of the
+        # accumulation window's earlier steps are taken out before it and added back after it
+        kept = {} if self._started.get(id(schedule)) else self._gradients()
+        for parameter in kept:
+            parameter.grad = None
+        self._started[id(schedule)] = True
+        schedule.step(*args, target=target, losses=losses, **kwargs)
+        for parameter, grad in kept.items():
+            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+        return losses
 
     # -- the steps ------------------------------------------------------------------------------
     def train_step(
@@ -192,23 +185,47 @@ class PipelineRuntime:
             labels = batch["labels"][..., 1:]
             num_items_in_batch = labels.ne(-100).sum()
         self._num_items, self._scale = num_items_in_batch, scale
-        losses, _ = self._run(batch, train=True)
-        return self._broadcast_loss(losses)
+        return self._broadcast_loss(self._run(batch))
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The loss (a token mean over the batch, None without labels) and the logits, on every pipeline rank."""
+        """The loss (the model's own: a token mean over the batch, None without labels) and the logits, on every
+        pipeline rank. The whole batch goes through the stages in order, each sending its output to the next one's
+        rank: evaluation needs no schedule (and keeps none of the training schedules' state)."""
+        self._check_columns(batch, train=False)
+        ids = batch["input_ids"]
+        rows, length = ids.shape
+        kwargs = {"position_ids": _positions(batch.get("position_ids"), ids)}
+        if batch.get("attention_mask") is not None:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        owner = [schedules.owner_of_stage(self.schedule_name, s, self.pp_size) for s in range(self.num_stages)]
+        config = self.model.config
+        hidden = None
+        for stage in range(self.num_stages):
+            if owner[stage] != self.pp_rank:
+                continue
+            if stage == 0:
+                hidden = ids
+            elif owner[stage - 1] != self.pp_rank:
+                hidden = torch.empty(rows, length, config.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(hidden, dist.get_global_rank(self.group, owner[stage - 1]), self.group)
+            hidden = self.stages[self.stage_ids.index(stage)](hidden, **kwargs)
+            if stage < self.num_stages - 1 and owner[stage + 1] != self.pp_rank:
+                dist.send(
+                    hidden.to(self.dtype).contiguous(), dist.get_global_rank(self.group, owner[stage + 1]), self.group
+                )
         labels = batch.get("labels")
-        self._scale = 1.0
+        loss = None
+        if self.has_last_stage:
+            logits = hidden.to(self.dtype).contiguous()
+            if labels is not None:
+                loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size)
+        else:
+            logits = torch.empty(rows, length, config.vocab_size, dtype=self.dtype, device=self.device)
+        dist.broadcast(logits, self.last_rank, self.group)
         if labels is not None:
-            self._num_items = labels[..., 1:].ne(-100).sum()
-        losses, logits = self._run(batch, train=False)
-        loss = self._broadcast_loss(losses) if labels is not None else None
-        rows, length = batch["input_ids"].shape
-        shape = (rows, length, self.model.config.vocab_size)
-        if logits is None:
-            logits = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.broadcast(logits.contiguous() if logits.device == self.device else logits, self.last_rank, self.group)
+            loss = (loss.detach().float() if loss is not None else torch.zeros((), device=self.device)).contiguous()
+            dist.broadcast(loss, self.last_rank, self.group)
         return loss, logits
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -221,3 +238,11 @@ class PipelineRuntime:
 
 
 _INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})
+
+
+def _positions(position_ids: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Positions for every row: the batch's own (one row broadcast to all), or 0 … length − 1."""
+    rows, length = ids.shape
+    if position_ids is None:
+        return torch.arange(length, device=ids.device)[None].expand(rows, -1)
+    return position_ids.expand(rows, -1) if position_ids.shape[0] != rows else position_ids
