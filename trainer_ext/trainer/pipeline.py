@@ -9,6 +9,7 @@ the token count of the whole accumulation window (transformers' ``num_items_in_b
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,6 +80,16 @@ class PipelineMixin:
         if items is not None and pp > 1 and self.args.average_tokens_across_devices and self.args.world_size > 1:
             items = items / pp
         return items
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """transformers' estimate (6 × tokens × non-embedding parameters) with the whole model's parameters: each
+        pipeline rank holds a part, and the Trainer divides the ranks' sum by the ranks that shared the batch."""
+        model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
+        shapes = getattr(model, "_trainer_ext_full_shapes", None)
+        if shapes is None or "input_ids" not in inputs:
+            return super().floating_point_ops(inputs)
+        count = sum(math.prod(shape) for name, shape in shapes.items() if "embed_tokens" not in name)
+        return 6 * inputs["input_ids"].numel() * count
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """transformers' total batch, less the pipeline ranks that read the same batch."""
