@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer_ext.distributed.mesh.config import ParallelismConfig
@@ -24,7 +24,7 @@ from trainer_ext.distributed.mesh.tensor_parallel import apply_tensor_parallel
 from trainer_ext.distributed.pipeline import checkpoint as pipeline_checkpoint
 from trainer_ext.distributed.pipeline import schedules, split
 from trainer_ext.distributed.pipeline.runtime import PipelineRuntime
-from trainer_ext.distributed.strategies.fsdp.strategy import FSDPStrategy
+from trainer_ext.distributed.strategies.fsdp.strategy import FSDPStrategy, checkpoint_forward
 from trainer_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,14 @@ class PipelineStrategy(FSDPStrategy):
         for stage in stages:  # under --bf16/--fp16 each stage runs under autocast and sends float32, as the model
             self.precision.patch_forward(stage)
         dtype = torch.float32 if self.precision.dtype is not None else next(model.parameters()).dtype
+        if self.settings.activation_checkpointing:  # --fsdp_config's: each decoder layer recomputed in backward
+            for stage in stages:
+                for layer in stage.layers:
+                    checkpoint_forward(layer)
         if mesh is not None:
             kwargs = {"mesh": mesh, "reshard_after_forward": False, "mp_policy": self.mp_policy()}
+            if self.settings.cpu_offload:
+                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
             for stage in stages:
                 for layer in stage.layers:
                     fully_shard(layer, **kwargs)
