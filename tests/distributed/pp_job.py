@@ -47,15 +47,24 @@ PROBE = torch.arange(3, 17).reshape(1, 14)
 
 
 def layout(text: str) -> tuple[int, int, str]:
-    pp, shard, schedule = text.split(",")
+    pp, shard, schedule = text.split(",")[:3]
     return int(pp), int(shard), schedule
+
+
+def extras(text: str) -> dict[str, str]:
+    """The options after the layout: ``tp=2`` (tensor parallel size), ``split=1`` (pp_split), ``ac`` (gradient
+    checkpointing)."""
+    return dict((item.partition("=")[0], item.partition("=")[2]) for item in text.split(",")[3:])
 
 
 def config(text: str) -> ParallelismConfig | None:
     pp, shard, schedule = layout(text)
-    if pp * shard == 1:
+    more = extras(text)
+    tp = int(more.get("tp") or 1)
+    if pp * shard * tp == 1:
         return None
-    return ParallelismConfig(pp_size=pp, pp_schedule=schedule, dp_shard_size=shard)
+    split = [int(c) for c in more["split"].split("/")] if more.get("split") else None
+    return ParallelismConfig(pp_size=pp, pp_schedule=schedule, dp_shard_size=shard, tp_size=tp, pp_split=split)
 
 
 def model(tied: bool = False) -> torch.nn.Module:
@@ -87,6 +96,7 @@ def trainer(out: Path, text: str, net: torch.nn.Module | None = None, cls: type 
         data_seed=0,
         use_cpu=True,
         parallelism_config=config(text),
+        gradient_checkpointing="ac" in extras(text),
     )
     args = TrainingArguments(**{**settings, **overrides})
     data = ragged_lm_dataset(GLOBAL_BATCH * STEPS, seed=1)

@@ -1,6 +1,6 @@
 """The launches of :mod:`tests.distributed.pp_job` that the pipeline-parallel Trainer tests share: each runs once per
-pytest session (nine in all: one process, pp 2 on each of the six schedules, pp 2 × dp_shard 2, and
-zbv_zero_bubble's evaluation after training, which fails in torch) and its results are read by every test that
+pytest session (ten in all: one process, pp 2 on each of the six schedules, pp 2 × dp_shard 2, zbv_zero_bubble's
+evaluation after training, and pp 2 × tp 2 with an explicit split and gradient checkpointing) and its results are read by every test that
 needs them."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ LAUNCHES = {
     "pp_dp": (4, "2,2,1f1b", ("train", "export", "eval", "same_mesh", "from=one@interleaved_1f1b")),
     **{f"pp2_{s}": (2, f"2,1,{s}", ("train",)) for s in OTHER_SCHEDULES},
     "zbv_eval": (2, "2,1,zbv_zero_bubble", ("train", "eval")),
+    # pp 2 x tp 2, stages cut after layer 0 (pp_split), layers recomputed in backward (gradient checkpointing)
+    "pp_tp": (4, "2,1,1f1b,tp=2,split=1,ac", ("train", "export")),
 }
 LAUNCHES["pp2_interleaved_1f1b"] = (2, "2,1,interleaved_1f1b", ("train", "export", "from=pp2"))
 _done: dict[Path, Path | BaseException] = {}

@@ -24,7 +24,7 @@ from tests.distributed.pp_runs import OTHER_SCHEDULES, launched, source
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PARITY, ACROSS, EXACT = 1e-5, 1e-6, 1e-9
-TRAINED = ["pp2", *(f"pp2_{s}" for s in OTHER_SCHEDULES), "pp_dp"]
+TRAINED = ["pp2", *(f"pp2_{s}" for s in OTHER_SCHEDULES), "pp_dp", "pp_tp"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_resume_on_another_mesh(root: Path, mesh: str) -> None:
     assert_close(run_diff(resumed, uninterrupted), ACROSS, mesh)
 
 
-@pytest.mark.parametrize("mesh", ["pp2", "pp2_interleaved_1f1b", "pp_dp"])
+@pytest.mark.parametrize("mesh", ["pp2", "pp2_interleaved_1f1b", "pp_dp", "pp_tp"])
 def test_the_export_reloads_on_one_process(root: Path, mesh: str) -> None:
     """save_model writes one consolidated model.safetensors of every stage; from_pretrained on rank 0 alone holds
     the trained weights exactly (float64) and gives the logits the pipeline's forward gives."""
