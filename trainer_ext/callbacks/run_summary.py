@@ -141,16 +141,10 @@ def _pipeline(engine: Any, model: Any) -> str | None:
     config = getattr(engine, "parallelism_config", None)
     if config is None or getattr(config, "pp_size", 1) <= 1:
         return None
-    from trainer_ext.distributed.pipeline.schedules import bubble_fraction, default_microbatches, stages_per_rank
+    from trainer_ext.distributed.pipeline.schedules import describe
 
-    schedule = config.pp_schedule
-    stages = config.pp_size * stages_per_rank(schedule)
-    count = config.pp_microbatches or default_microbatches(schedule, config.pp_size)
     ranges = getattr(getattr(model, "_trainer_ext_pipeline", None), "ranges", None)
-    layers = " (layers " + " | ".join(f"{a}-{b - 1}" for a, b in ranges) + ")" if ranges else ""
-    on = f" on {config.pp_size} ranks" if stages > config.pp_size else ""
-    bubble = bubble_fraction(schedule, config.pp_size, count)
-    return f"{stages} stages{on}{layers}, {schedule}, {count} microbatches, bubble {bubble:.0%}"
+    return describe(config.pp_size, config.pp_schedule, config.pp_microbatches, ranges)
 
 
 def _context_parallel(engine: Any) -> str | None:

@@ -111,9 +111,8 @@ def rank_parts(shape: ModelShape, setup: Setup, batch: int) -> tuple[list[ModelS
 def describe(setup: Setup, shape: ModelShape | None = None) -> str:
     """The pipeline in one phrase: stages (with their layers when ``shape`` is given), schedule, microbatches,
     bubble, e.g. ``2 stages (layers 0-3 | 4-7), 1f1b, 4 microbatches, bubble 20%``."""
+    from trainer_ext.distributed.pipeline.schedules import describe as phrase
+
     stages = setup.pp_size * stages_per_rank(setup.pp_schedule)
-    on = f" on {setup.pp_size} ranks" if stages > setup.pp_size else ""
-    layers = ""
-    if shape is not None and shape.num_layers >= stages:
-        layers = " (layers " + " | ".join(f"{a}-{b - 1}" for a, b in stage_ranges(shape, setup)) + ")"
-    return f"{stages} stages{on}{layers}, {setup.pp_schedule}, {microbatches(setup)} microbatches, bubble {bubble(setup):.0%}"
+    ranges = stage_ranges(shape, setup) if shape is not None and shape.num_layers >= stages else None
+    return phrase(setup.pp_size, setup.pp_schedule, setup.pp_microbatches, ranges)

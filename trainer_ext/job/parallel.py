@@ -75,15 +75,9 @@ def pipeline_text(config: ParallelismConfig, ranges: list[tuple[int, int]] | Non
     layers when ``ranges`` are known; the microbatches the schedule's default when unset); empty without pp."""
     if config.pp_size <= 1:
         return ""
-    from trainer_ext.distributed.pipeline.schedules import bubble_fraction, default_microbatches, stages_per_rank
+    from trainer_ext.distributed.pipeline.schedules import describe
 
-    schedule = config.pp_schedule or DEFAULT_PP_SCHEDULE
-    chunks = config.pp_size * stages_per_rank(schedule)
-    count = config.pp_microbatches or default_microbatches(schedule, config.pp_size)
-    layers = " (layers " + " | ".join(f"{a}-{b - 1}" for a, b in ranges) + ")" if ranges else ""
-    bubble = bubble_fraction(schedule, config.pp_size, count)
-    ranks = f" on {config.pp_size} ranks" if chunks > config.pp_size else ""
-    return f"{chunks} stages{ranks}{layers}, {schedule}, {count} microbatches, bubble {bubble:.0%}"
+    return describe(config.pp_size, config.pp_schedule or DEFAULT_PP_SCHEDULE, config.pp_microbatches, ranges)
 
 
 def check_tp_config(

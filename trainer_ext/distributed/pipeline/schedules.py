@@ -62,3 +62,13 @@ def bubble_fraction(name: str, pp_size: int, microbatches: int) -> float:
     if "zero_bubble" in name:
         bubble /= 3
     return bubble
+
+
+def describe(pp_size: int, name: str, microbatches: int | None, ranges: list[tuple[int, int]] | None = None) -> str:
+    """The pipeline in one phrase, e.g. ``2 stages (layers 0-3 | 4-7), 1f1b, 4 microbatches, bubble 20%``: the layers
+    when ``ranges`` are known, the schedule's default microbatches when ``microbatches`` is None."""
+    stages = pp_size * stages_per_rank(name)
+    count = microbatches or default_microbatches(name, pp_size)
+    on = f" on {pp_size} ranks" if stages > pp_size else ""
+    layers = " (layers " + " | ".join(f"{a}-{b - 1}" for a, b in ranges) + ")" if ranges else ""
+    return f"{stages} stages{on}{layers}, {name}, {count} microbatches, bubble {bubble_fraction(name, pp_size, count):.0%}"
