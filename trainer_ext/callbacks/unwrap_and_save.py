@@ -73,6 +73,9 @@ def _adapter_tensors(model: torch.nn.Module) -> dict[str, dict[str, tuple[int, .
 
 def _expected_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, set[str]]]:
     """Names and shapes ``save_pretrained`` writes for a whole model, and the names that share storage (tied)."""
+    whole = getattr(model, "_trainer_ext_full_shapes", None)
+    if whole is not None:  # one pipeline stage's part of the model: the consolidated file holds all of it
+        return {k: tuple(v) for k, v in whole.items()}, {}
     state = model.state_dict(keep_vars=True)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
