@@ -13,8 +13,8 @@ model into this rank's stages, and these functions run a batch through the sched
 returns the loss on every rank of the pipeline. Without ``num_items_in_batch`` backward takes the batch's token mean
 over ``gradient_accumulation_steps`` (what ``accelerator.backward(outputs.loss)`` takes); with the label-token count
 of the whole accumulation window over the data-parallel ranks it takes the token sum over that count, so the loop
-trains what one process trains on the concatenated batch. ``pipeline_eval_step`` runs the forward schedule and
-returns the loss and the logits on every rank (gather them over the data-parallel ranks with ``gather_for_metrics``).
+trains what one process trains on the concatenated batch. ``pipeline_eval_step`` runs the batch forward through the
+stages and returns the loss and the logits on every rank (gather them over the data-parallel ranks with ``gather_for_metrics``).
 The model computes its causal-LM loss from ``labels`` on the last stage: the batch holds ``input_ids``, ``labels``
 and optionally ``attention_mask`` and ``position_ids``.
 """
@@ -62,7 +62,7 @@ def pipeline_step(
 
 @torch.no_grad()
 def pipeline_eval_step(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The forward schedule over ``batch``: the loss (the batch's token mean; None without ``labels``) and the
+    """``batch`` forward through the stages: the loss (the batch's token mean; None without ``labels``) and the
     logits, on every rank of the pipeline."""
     runtime = _runtime(model, "pipeline_eval_step")
     model.eval()

@@ -1,6 +1,6 @@
 """The Trainer under pipeline parallelism (ours): the training step runs the schedule over the batch's microbatches
 (forward and backward of every stage, the loss from the last stage, reduced to every rank), evaluation runs the
-forward schedule, and transformers' counts of batches and label tokens leave out the pipeline ranks that read the
+batch forward through the stages, and transformers' counts of batches and label tokens leave out the pipeline ranks that read the
 same batch, as they leave out tensor-parallel ones.
 
 Gradient accumulation: each accumulation step is one schedule run of ``pp_microbatches`` microbatches, its loss over
@@ -52,8 +52,8 @@ class PipelineMixin:
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """Outside the training step (the exact eval loss's forward on a last batch's real rows): the forward
-        schedule's loss, the batch's token mean, and its logits."""
+        """Outside the training step (the exact eval loss's forward on a last batch's real rows): the loss of the
+        batch forward through the stages, its token mean, and its logits."""
         runtime = self._pipeline_of(model)
         if runtime is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
