@@ -68,9 +68,9 @@ class Strategy:
         if config.splits_model:
             raise ConfigError(
                 f"{cls.title} does not shard the model over a device mesh, and this parallelism_config asks for "
-                f"dp_shard_size={config.dp_shard_size}, tp_size={config.tp_size}, cp_size={config.cp_size}: train "
-                "with FSDP2 (the default for "
-                "such a config; --fsdp), or set those sizes to 1"
+                f"dp_shard_size={config.dp_shard_size}, tp_size={config.tp_size}, cp_size={config.cp_size}"
+                + (f", pp_size={config.pp_size}" if config.pp_enabled else "")
+                + ": train with FSDP2 (the default for such a config; --fsdp), or set those sizes to 1"
             )
 
     def use_mesh(self, built: ParallelMesh | None, config: ParallelismConfig) -> None:
