@@ -145,9 +145,12 @@ def _flat(flatten: bool) -> StateDictOptions:
 
 
 def _is_flat(directory: Path) -> bool:
-    """Whether an optimizer checkpoint keeps its hyperparameters per parameter (``param_groups.<name>.lr``)."""
+    """Whether an optimizer checkpoint keeps its hyperparameters per parameter (``param_groups.<name>.lr``), not per
+    group (``param_groups.0.lr``: the group list as DCP flattens it)."""
     metadata = load_metadata(directory / METADATA)
-    return any(key.startswith("param_groups.") for key in metadata.state_dict_metadata)
+    return any(
+        key.startswith("param_groups.") and not key.split(".")[1].isdigit() for key in metadata.state_dict_metadata
+    )
 
 
 def save_optimizer(model: torch.nn.Module, optimizer: Any, directory: str | os.PathLike) -> None:
