@@ -1,7 +1,7 @@
 """The launches of :mod:`tests.distributed.pp_job` that the pipeline-parallel Trainer tests share: each runs once per
-pytest session (ten in all: one process, pp 2 on each of the six schedules, pp 2 × dp_shard 2, zbv_zero_bubble's
-evaluation after training, and pp 2 × tp 2 with an explicit split and gradient checkpointing) and its results are read by every test that
-needs them."""
+pytest session (eleven in all: one process, pp 2 on each of the six schedules, pp 2 × dp_shard 2, zbv_zero_bubble's
+evaluation after training, pp 2 × tp 2 with an explicit split and gradient checkpointing, and FSDP2 alone) and its
+results are read by every test that needs them."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ LAUNCHES = {
     "pp_tp": (4, "2,1,1f1b,tp=2,split=1,ac", ("train", "export")),
 }
 LAUNCHES["pp2_interleaved_1f1b"] = (2, "2,1,interleaved_1f1b", ("train", "export", "from=pp2"))
+# FSDP2 alone (dp_shard 2) resumes pp 2's checkpoint, and pp 2 on gpipe resumes FSDP2's: the optimizer state kept
+# per parameter (pipeline) and per group (FSDP2) each load into the other
+LAUNCHES["fsdp"] = (2, "1,2,1f1b", ("train", "from=pp2"))
+LAUNCHES["pp2_gpipe"] = (2, "2,1,gpipe", ("train", "from=fsdp"))
 _done: dict[Path, Path | BaseException] = {}
 
 

@@ -58,11 +58,11 @@ def test_resume_on_the_same_mesh_is_bitwise(root: Path, mesh: str) -> None:
     assert not unequal, unequal
 
 
-@pytest.mark.parametrize("mesh", ["one", "pp_dp", "pp2_interleaved_1f1b"])
+@pytest.mark.parametrize("mesh", ["one", "pp_dp", "pp2_interleaved_1f1b", "fsdp", "pp2_gpipe"])
 def test_resume_on_another_mesh(root: Path, mesh: str) -> None:
-    """pp 2's checkpoint-5 resumed on one process and on pp 2 with interleaved 1F1B (two stages a rank), and one
-    process's on pp 2 × dp_shard 2 with interleaved 1F1B: steps 6-10 as the run that wrote the checkpoint took
-    them."""
+    """pp 2's checkpoint-5 resumed on one process, on pp 2 with interleaved 1F1B (two stages a rank) and on FSDP2
+    alone; one process's on pp 2 × dp_shard 2 with interleaved 1F1B; FSDP2's on pp 2 with GPipe: steps 6-10 as the
+    run that wrote the checkpoint took them."""
     uninterrupted = seen(launched(root, source(mesh)), "train")
     resumed = seen(launched(root, mesh), "from")
     assert resumed["steps"] == 10
