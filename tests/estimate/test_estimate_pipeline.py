@@ -4,6 +4,7 @@ bubble per schedule is in the mesh line, and a model the pipeline cannot split i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -113,3 +114,15 @@ def test_a_model_the_pipeline_cannot_split_is_refused(tmp_path, capsys):
     assert len(errors) == 1 and "pipeline of 2 stages" in errors[0] and "ties lm_head" in errors[0], errors
     assert main(["estimate", "--task", "causal-lm", "--model_config", "tiny-gpt2", "--pp_size", "2"]) == 2
     assert "is not a decoder the pipeline splits" in capsys.readouterr().err
+
+
+def test_tensor_parallelism_splits_each_stage_further():
+    """pp 2 x tp 2: the plan's share of the rank's stages is split over the tp ranks (the norms stay whole)."""
+    split = LAYER - 2 * H  # the linears of a layer; its two norms are left whole
+    planned = dataclasses.replace(
+        shape(), tp_params=8 * split + 2 * VOCAB * H, tp_trainable=8 * split + 2 * VOCAB * H, tp_layer_params=split
+    )
+    alone = estimate(planned, setup(2))
+    with_tp = estimate(planned, setup(2, world=4, tp_size=2))
+    assert with_tp.weights < alone.weights * 0.6
+    assert with_tp.weights > alone.weights * 0.45

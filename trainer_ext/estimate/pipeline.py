@@ -87,9 +87,10 @@ def _rank_shape(shape: ModelShape, ranges: list[tuple[int, int]], stages: list[i
         blocks_params=layers * shape.layer_params,
         causal_lm=shape.causal_lm and holds_last,
         vocab=shape.vocab if holds_last else 0,
-        tp_params=0,
-        tp_trainable=0,
-        tp_layer_params=0,
+        # the tensor-parallel plan splits the rank's layers (and the embeddings or head where it names them)
+        tp_params=round(shape.tp_params * share),
+        tp_trainable=round(shape.tp_trainable * share),
+        tp_layer_params=shape.tp_layer_params,
     )
 
 
