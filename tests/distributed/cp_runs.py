@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import launch_once
 
 JOB = "tests.distributed.cp_job"
 # name -> (processes, cp,dp_shard,tp, tasks); "from=NAME" resumes launch NAME's checkpoint-5
@@ -16,7 +16,6 @@ LAUNCHES = {
     "cp_dp": (4, "2,2,1", ("train", "eval", "same_mesh", "from=one")),
     "cp_tp": (4, "2,1,2", ("train", "eval")),
 }
-_done: dict[Path, Path | BaseException] = {}
 
 
 def source(name: str) -> str | None:
@@ -28,15 +27,6 @@ def source(name: str) -> str | None:
 def launched(root: Path, name: str) -> Path:
     """The output folder of launch ``name`` under ``root``, run on first use (a failed launch fails every test that
     reads it, without running it again)."""
-    out = root / name
-    if out not in _done:
-        nproc, sizes, tasks = LAUNCHES[name]
-        tasks = tuple(f"from={launched(root, t.removeprefix('from='))}" if t.startswith("from=") else t for t in tasks)
-        try:
-            run_ranks(JOB, nproc, str(out), sizes, *tasks, timeout=600)
-            _done[out] = out
-        except BaseException as error:
-            _done[out] = error
-    if isinstance(_done[out], BaseException):
-        raise AssertionError(f"the {name} launch failed") from _done[out]
-    return out
+    nproc, sizes, tasks = LAUNCHES[name]
+    tasks = tuple(f"from={launched(root, t.removeprefix('from='))}" if t.startswith("from=") else t for t in tasks)
+    return launch_once(root / name, name, JOB, nproc, sizes, *tasks)

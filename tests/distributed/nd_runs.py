@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import launch_once
 
 JOB = "tests.distributed.nd_job"
 # name -> (processes, dp_replicate,dp_shard,tp, tasks); "from=" resumes the TP 2 run's checkpoint-5
@@ -18,25 +18,15 @@ LAUNCHES = {
     "fsdp_tp": (4, "1,2,2", ("train", "eval", "from=", "loop")),
     "hsdp": (4, "2,2,1", ("train",)),
 }
-_done: dict[Path, Path | BaseException] = {}
 
 
 def launched(root: Path, name: str) -> Path:
     """The output folder of launch ``name`` under ``root``, run on first use (a failed launch fails every test that
     reads it, without running it again)."""
-    out = root / name
-    if out not in _done:
-        nproc, sizes, tasks = LAUNCHES[name]
-        if "from=" in tasks:
-            tasks = tuple(f"from={launched(root, 'tp2')}" if t == "from=" else t for t in tasks)
-        try:
-            run_ranks(JOB, nproc, str(out), sizes, *tasks, timeout=600)
-            _done[out] = out
-        except BaseException as error:
-            _done[out] = error
-    if isinstance(_done[out], BaseException):
-        raise AssertionError(f"the {name} launch failed") from _done[out]
-    return out
+    nproc, sizes, tasks = LAUNCHES[name]
+    if "from=" in tasks:
+        tasks = tuple(f"from={launched(root, 'tp2')}" if t == "from=" else t for t in tasks)
+    return launch_once(root / name, name, JOB, nproc, sizes, *tasks)
 
 
 def seen(out: Path, name: str) -> dict:

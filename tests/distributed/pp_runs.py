@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import launch_once
 from trainer_ext.distributed.pipeline.schedules import SCHEDULES
 
 JOB = "tests.distributed.pp_job"
@@ -27,7 +27,6 @@ LAUNCHES["pp2_interleaved_1f1b"] = (2, "2,1,interleaved_1f1b", ("train", "export
 # per parameter (pipeline) and per group (FSDP2) each load into the other
 LAUNCHES["fsdp"] = (2, "1,2,1f1b", ("train", "from=pp2"))
 LAUNCHES["pp2_gpipe"] = (2, "2,1,gpipe", ("train", "from=fsdp"))
-_done: dict[Path, Path | BaseException] = {}
 
 
 def source(name: str) -> str | None:
@@ -39,20 +38,11 @@ def source(name: str) -> str | None:
 def launched(root: Path, name: str) -> Path:
     """The output folder of launch ``name`` under ``root``, run on first use (a failed launch fails every test that
     reads it, without running it again)."""
-    out = root / name
-    if out not in _done:
-        nproc, sizes, tasks = LAUNCHES[name]
-        resolved = []
-        for task in tasks:
-            if task.startswith("from="):
-                other, at, schedule = task.removeprefix("from=").partition("@")
-                task = f"from={launched(root, other)}{at}{schedule}"
-            resolved.append(task)
-        try:
-            run_ranks(JOB, nproc, str(out), sizes, *resolved, timeout=600)
-            _done[out] = out
-        except BaseException as error:
-            _done[out] = error
-    if isinstance(_done[out], BaseException):
-        raise AssertionError(f"the {name} launch failed") from _done[out]
-    return out
+    nproc, sizes, tasks = LAUNCHES[name]
+    resolved = []
+    for task in tasks:
+        if task.startswith("from="):
+            other, at, schedule = task.removeprefix("from=").partition("@")
+            task = f"from={launched(root, other)}{at}{schedule}"
+        resolved.append(task)
+    return launch_once(root / name, name, JOB, nproc, sizes, *resolved)

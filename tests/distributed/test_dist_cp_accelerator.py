@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.nd_runs import max_diff, run_diff, seen
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import launch_once
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -26,7 +26,6 @@ LAUNCHES = {
     "cp2_dp2": (4, "2,2", ("loop", "manual", "plain")),
     "cp4": (4, "4,1", ("parity",)),
 }
-_done: dict[Path, Path | BaseException] = {}
 RECOMPUTED_OUTSIDE = (
     "ConfigError: activation checkpointing recomputed LlamaAttention after the context-parallel region exited: call "
     "backward inside maybe_context_parallel (as the Trainer does)"
@@ -40,17 +39,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def launched(root: Path, name: str) -> Path:
     """The output folder of launch ``name``, run on first use (a failed launch fails every test that reads it)."""
-    out = root / name
-    if out not in _done:
-        nproc, sizes, tasks = LAUNCHES[name]
-        try:
-            run_ranks(JOB, nproc, str(out), sizes, *tasks, timeout=600)
-            _done[out] = out
-        except BaseException as error:
-            _done[out] = error
-    if isinstance(_done[out], BaseException):
-        raise AssertionError(f"the {name} launch failed") from _done[out]
-    return out
+    nproc, sizes, tasks = LAUNCHES[name]
+    return launch_once(root / name, name, JOB, nproc, sizes, *tasks)
 
 
 @pytest.mark.parametrize("mesh", ["cp2", "cp2_dp2"])

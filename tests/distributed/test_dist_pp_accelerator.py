@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.nd_runs import run_diff, seen
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import launch_once
 from tests.helpers.tiny import VOCAB
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -28,7 +28,6 @@ LAUNCHES = {
     "pp2_dp2": (4, "2,2", "1f1b", ("counted",)),  # each rank's mean differs from the global one: counted only
 }
 PIPELINES = ("pp2", "pp2_interleaved", "pp2_dp2")
-_done: dict[Path, Path | BaseException] = {}
 NOT_SPLIT = (
     "{} runs a model split into pipeline stages, and LlamaForCausalLM is not one: build the Accelerator with "
     "ParallelismConfig(pp_size=...) and pass the model through accelerator.prepare"
@@ -42,17 +41,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def launched(root: Path, name: str) -> Path:
     """The output folder of launch ``name``, run on first use (a failed launch fails every test that reads it)."""
-    out = root / name
-    if out not in _done:
-        nproc, sizes, schedule, tasks = LAUNCHES[name]
-        try:
-            run_ranks(JOB, nproc, str(out), sizes, schedule, *tasks, timeout=600)
-            _done[out] = out
-        except BaseException as error:
-            _done[out] = error
-    if isinstance(_done[out], BaseException):
-        raise AssertionError(f"the {name} launch failed") from _done[out]
-    return out
+    nproc, sizes, schedule, tasks = LAUNCHES[name]
+    return launch_once(root / name, name, JOB, nproc, sizes, schedule, *tasks)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 from tests.helpers import forked_ranks
@@ -62,3 +63,20 @@ def _check(proc: subprocess.CompletedProcess, nproc: int, module: str) -> None:
             f"{nproc}-rank run of {module} failed (exit {proc.returncode})\nSTDOUT:\n{proc.stdout[-5000:]}\n"
             f"STDERR:\n{proc.stderr[-8000:]}"
         )
+
+
+_launched: dict[Path, Path | BaseException] = {}
+
+
+def launch_once(out: Path, name: str, job: ModuleType | str, nproc: int, *args: str, timeout: float = 600.0) -> Path:
+    """``out``, after ``run_ranks(job, nproc, str(out), *args)`` ran there once per pytest session: tests sharing a
+    launch read its results; a failed launch fails every test that reads it, without running it again."""
+    if out not in _launched:
+        try:
+            run_ranks(job, nproc, str(out), *args, timeout=timeout)
+            _launched[out] = out
+        except BaseException as error:
+            _launched[out] = error
+    if isinstance(_launched[out], BaseException):
+        raise AssertionError(f"the {name} launch failed") from _launched[out]
+    return out
