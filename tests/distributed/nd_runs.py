@@ -47,3 +47,14 @@ def run_diff(a: dict, b: dict) -> dict[str, float]:
         "norm": max(abs(x - y) for x, y in zip(a["norms"], b["norms"], strict=True)),
         "weights": max_diff(a["weights"], b["weights"]),
     }
+
+
+def assert_resumed_bitwise(out: Path) -> None:
+    """The ``same_mesh`` run of launch folder ``out`` (resumed from the ``train`` run's checkpoint-5 on the same
+    mesh) logged the same losses and norms over 10 steps and ended with equal weights."""
+    uninterrupted, resumed = seen(out, "train"), seen(out, "same_mesh")
+    assert resumed["steps"] == 10
+    assert resumed["losses"] == uninterrupted["losses"] and resumed["norms"] == uninterrupted["norms"]
+    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
+    unequal = [k for k, w in resumed["weights"].items() if not torch.equal(w, uninterrupted["weights"][k])]
+    assert not unequal, unequal

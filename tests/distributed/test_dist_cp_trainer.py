@@ -18,7 +18,7 @@ from transformers import DataCollatorWithFlattening
 
 from tests.distributed.cp_job import PACKED_PER_DEVICE, unpacked
 from tests.distributed.cp_runs import launched, source
-from tests.distributed.nd_runs import run_diff, seen
+from tests.distributed.nd_runs import assert_resumed_bitwise, run_diff, seen
 from tests.helpers.tiny import ragged_lm_dataset
 from trainer_ext.distributed.mesh.cp_attention import NAME
 
@@ -49,13 +49,7 @@ def test_training_matches_one_process(root: Path, mesh: str) -> None:
 @pytest.mark.parametrize("mesh", ["cp2", "cp_dp"])
 def test_resume_on_the_same_mesh_is_bitwise(root: Path, mesh: str) -> None:
     """A fresh Trainer resumed from checkpoint-5 of the uninterrupted run on the same mesh ends where it ended."""
-    out = launched(root, mesh)
-    uninterrupted, resumed = seen(out, "train"), seen(out, "same_mesh")
-    assert resumed["steps"] == 10
-    assert resumed["losses"] == uninterrupted["losses"] and resumed["norms"] == uninterrupted["norms"]
-    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
-    unequal = [k for k, w in resumed["weights"].items() if not torch.equal(w, uninterrupted["weights"][k])]
-    assert not unequal, unequal
+    assert_resumed_bitwise(launched(root, mesh))
 
 
 @pytest.mark.parametrize("mesh", ["one", "cp_dp"])

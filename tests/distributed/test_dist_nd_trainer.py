@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.nd_runs import launched, run_diff, seen
+from tests.distributed.nd_runs import assert_resumed_bitwise, launched, run_diff, seen
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -45,13 +45,7 @@ def test_qwen2_under_tensor_parallelism_matches_one_process(root: Path) -> None:
 
 def test_resume_on_the_same_mesh_is_bitwise(root: Path) -> None:
     """A fresh TP 2 Trainer resumed from checkpoint-5 of the uninterrupted TP 2 run ends where that run ended."""
-    out = launched(root, "tp2")
-    uninterrupted, resumed = seen(out, "train"), seen(out, "same_mesh")
-    assert resumed["steps"] == 10
-    assert resumed["losses"] == uninterrupted["losses"] and resumed["norms"] == uninterrupted["norms"]
-    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
-    unequal = [k for k, w in resumed["weights"].items() if not torch.equal(w, uninterrupted["weights"][k])]
-    assert not unequal, unequal
+    assert_resumed_bitwise(launched(root, "tp2"))
 
 
 @pytest.mark.parametrize("mesh", ["fsdp_tp", "one"])

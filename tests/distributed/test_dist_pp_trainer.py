@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.nd_runs import run_diff, seen
+from tests.distributed.nd_runs import assert_resumed_bitwise, run_diff, seen
 from tests.distributed.pp_runs import OTHER_SCHEDULES, launched, source
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -49,13 +49,7 @@ def test_training_matches_one_process(root: Path, mesh: str) -> None:
 @pytest.mark.parametrize("mesh", ["pp2", "pp_dp"])
 def test_resume_on_the_same_mesh_is_bitwise(root: Path, mesh: str) -> None:
     """A fresh Trainer resumed from checkpoint-5 of the uninterrupted run on the same mesh ends where it ended."""
-    out = launched(root, mesh)
-    uninterrupted, resumed = seen(out, "train"), seen(out, "same_mesh")
-    assert resumed["steps"] == 10
-    assert resumed["losses"] == uninterrupted["losses"] and resumed["norms"] == uninterrupted["norms"]
-    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
-    unequal = [k for k, w in resumed["weights"].items() if not torch.equal(w, uninterrupted["weights"][k])]
-    assert not unequal, unequal
+    assert_resumed_bitwise(launched(root, mesh))
 
 
 @pytest.mark.parametrize("mesh", ["one", "pp_dp", "pp2_interleaved_1f1b", "fsdp", "pp2_gpipe"])
