@@ -31,8 +31,20 @@ ALLOWED = {
     "report": {"callbacks", "checkpointing"},
     # estimate builds and runs the job to measure it; the job runs estimate's start-up memory check (lazily)
     "estimate": {"distributed", "job"},
+    # plan ranks layouts with the estimator's memory and runs the job to verify them
+    "plan": {"distributed", "estimate", "job"},
     "job": {"trainer", "callbacks", "checkpointing", "distributed", "estimate", "metrics", "report"},
-    "cli": {"job", "trainer", "accelerator", "estimate", "report", "checkpointing", "distributed", "inference"},
+    "cli": {
+        "job",
+        "trainer",
+        "accelerator",
+        "estimate",
+        "plan",
+        "report",
+        "checkpointing",
+        "distributed",
+        "inference",
+    },
 }
 
 

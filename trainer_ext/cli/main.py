@@ -49,6 +49,10 @@ COMMANDS: dict[str, Command] = {
         "per-rank memory of a train job before it runs (--measure: checked by two real steps)",
         "trainer_ext.cli.estimate:run_estimate",
     ),
+    "plan": Command(
+        "rank the parallel layouts of a train job on given machines (--verify: checked by two real steps)",
+        "trainer_ext.cli.plan:run_plan",
+    ),
     "checkpoint": Command(
         "check a checkpoint against its marker (verify DIR), or commit files changed on purpose (seal DIR)",
         "trainer_ext.cli.checkpoint:run_checkpoint",

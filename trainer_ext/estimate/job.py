@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,6 +41,7 @@ class Job:
     args: Any
     notes: tuple[str, ...] = ()
     mesh: str = ""  # the parallel sizes' mesh, e.g. "dp_shard 2 x tp 2 (2 data-parallel ranks)"; "" without sizes
+    model: Any = field(default=None, compare=False, repr=False)  # the meta-device model (the planner checks sizes)
 
 
 def check_combinations(values: dict[str, Any], num_processes: int) -> None:
@@ -264,4 +265,4 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
         from trainer_ext.estimate.pipeline import describe as pipeline_text
 
         mesh += f"; pipeline {pipeline_text(setup, shape)}"
-    return Job(shape, setup, args, tuple(notes), mesh)
+    return Job(shape, setup, args, tuple(notes), mesh, model)

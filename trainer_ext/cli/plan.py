@@ -1,0 +1,181 @@
+"""``trainer-ext plan``: the parallel layouts of a train job on given machines, ranked, with the command for each;
+``--verify`` runs two real optimizer steps of the top ones and prints predicted against measured. See
+docs/parallelism.md, "Choosing a layout"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from trainer_ext.errors import ConfigError
+from trainer_ext.values import format_size
+
+PLAN_FLAGS = (
+    "num_machines",
+    "gpus_per_machine",
+    "num_processes",
+    "device_memory",
+    "interconnect",
+    "global_batch_size",
+    "top",
+    "cpu",
+    "json",
+    "verify",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(f"plan: {message.removeprefix('argument ')}")
+
+
+def _positive(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number, got {text[:40]!r}") from None
+    if not 1 <= number <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"{number} must be between 1 and {1 << 20}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="trainer-ext plan",
+        add_help=False,
+        allow_abbrev=False,
+        description="Rank the parallel layouts of `trainer-ext train` with the same flags on the given machines; "
+        "every train flag is accepted (layout flags given fix that part of the layout).",
+    )
+    add = parser.add_argument
+    add("-h", "--help", action="store_true", help="show this help and exit")
+    add("--num_machines", type=_positive, default=1, help="machines (default 1)")
+    add("--gpus_per_machine", type=_positive, default=None, help="devices (processes) on each machine")
+    add("--num_processes", type=_positive, default=None, help="processes in total (instead of --gpus_per_machine)")
+    add("--device_memory", metavar="SIZE", help="memory of one device, e.g. 80GiB (default: this machine's GPU)")
+    add("--interconnect", metavar="LINKS", help="links: 'within,between' machines, e.g. nvlink,ib (default)")
+    add(
+        "--global_batch_size",
+        type=_positive,
+        default=None,
+        help="sequences per optimizer step (default: the "
+        "job's per_device_train_batch_size x gradient_accumulation_steps x processes)",
+    )
+    add("--top", type=_positive, default=3, help="layouts to print (default 3)")
+    add("--cpu", action="store_true", help="plan CPU processes (gloo) instead of GPUs")
+    add("--json", nargs="?", const="-", metavar="FILE", help="write the plan as JSON (to FILE, or stdout)")
+    add(
+        "--verify",
+        action="store_true",
+        help="run two optimizer steps of the top layouts on this machine and "
+        "print predicted against measured memory and communication",
+    )
+    return parser
+
+
+def cluster_from(options: argparse.Namespace) -> Any:
+    """The Cluster the options describe; one line when something is missing or does not add up."""
+    from trainer_ext.estimate.startup import device_memory_bytes
+    from trainer_ext.plan.cluster import Cluster, parse_interconnect
+
+    machines = options.num_machines
+    if options.gpus_per_machine and options.num_processes:
+        if options.gpus_per_machine * machines != options.num_processes:
+            raise ConfigError(
+                f"--num_processes {options.num_processes} is not --num_machines {machines} x --gpus_per_machine "
+                f"{options.gpus_per_machine}; give one of them"
+            )
+    per_machine = options.gpus_per_machine
+    if per_machine is None and options.num_processes:
+        if options.num_processes % machines:
+            raise ConfigError(
+                f"--num_processes {options.num_processes} does not split evenly over --num_machines {machines}; "
+                "give a multiple of it, or --gpus_per_machine"
+            )
+        per_machine = options.num_processes // machines
+    if per_machine is None:
+        raise ConfigError("plan needs the devices: --gpus_per_machine N (with --num_machines M) or --num_processes N")
+    device = "cpu" if options.cpu else "cuda"
+    memory = device_memory_bytes(options.device_memory) if options.device_memory else 0
+    if not memory and device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "plan needs --device_memory (e.g. 80GiB): this machine has no GPU to read it from; or --cpu to plan "
+                "CPU processes"
+            )
+        memory = torch.cuda.get_device_properties(0).total_memory
+    within, between = parse_interconnect(options.interconnect, machines, device)
+    return Cluster(machines, per_machine, memory, within, between, device)
+
+
+def run_plan(argv: Sequence[str]) -> int:
+    """Print the plan (and the verification); exit 0, 2 when no layout fits, 1 when a verification run failed."""
+    from trainer_ext.plan.planner import make_plan, smallest_change
+    from trainer_ext.plan.report import format_plan, plan_json
+
+    parser = build_parser()
+    options, train_argv = parser.parse_known_args(list(argv))
+    if options.help:
+        parser.print_help()
+        return 0
+    cluster = cluster_from(options)
+    if options.verify and cluster.num_machines > 1:
+        raise ConfigError("--verify runs the layouts on this machine; plan one machine (--num_machines 1) to verify")
+    plan = make_plan(train_argv, cluster, options.global_batch_size)
+    if not plan.ranked:
+        changes = smallest_change(train_argv, cluster, plan.global_batch, plan.job)
+        what = "; or ".join(changes) if changes else "a smaller model"
+        raise ConfigError(
+            f"no layout fits {cluster.describe()}: the job needs more memory per device than any layout leaves; it "
+            f"fits with {what}"
+        )
+    if options.json == "-":
+        print(json.dumps(plan_json(plan, options.top), indent=2, sort_keys=True))
+    else:
+        print(format_plan(plan, options.top))
+    if options.json and options.json != "-":
+        from trainer_ext.cli.estimate import check_json_target, write_json_file
+
+        check_json_target(options.json)
+        write_json_file(options.json, plan_json(plan, options.top))
+    if options.verify:
+        return verify(plan, options.top)
+    return 0
+
+
+def verify(plan: Any, top: int) -> int:
+    """Two real optimizer steps of each of the top layouts on this machine's processes; predicted vs measured."""
+    from trainer_ext.plan.comms import step_traffic
+    from trainer_ext.plan.report import _without_layout
+    from trainer_ext.plan.worker import measure_layout
+
+    print("\nverify: two optimizer steps of each layout on this machine, per rank (busiest rank)")
+    failed = 0
+    for number, candidate in enumerate(plan.ranked[:top], 1):
+        argv = [*_without_layout(plan.train_argv), *candidate.layout.flags()]
+        print(f"{number}. {candidate.layout.name()}")
+        try:
+            measured = measure_layout(argv, candidate.layout.world)
+        except RuntimeError as error:
+            print(f"   error: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        for key in ("weights", "gradients", "optimizer", "activations", "total"):
+            print(_row(key, getattr(candidate.memory, key), measured.get(key, 0)))
+        predicted: dict[str, int] = {}
+        for traffic in step_traffic(plan.job.shape, candidate.setup):
+            predicted[traffic.collective] = predicted.get(traffic.collective, 0) + traffic.bytes
+        counted = measured.get("collectives", {})
+        for kind in sorted(set(predicted) | {k for k, v in counted.items() if v and k != "recv"}):
+            print(_row(kind, predicted.get(kind, 0), counted.get(kind, 0)))
+    return 1 if failed else 0
+
+
+def _row(name: str, predicted: int, measured: int) -> str:
+    error = f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
+    return f"   {name:<16} predicted {format_size(int(predicted)):>11}  measured {format_size(int(measured)):>11}  {error}"

@@ -1,0 +1,90 @@
+"""The step-time model that ranks layouts: compute spread over the ranks, the pipeline's bubble, and communication.
+
+compute: a token costs ``2·P`` FLOPs forward plus ``2·L·s·h`` for causal attention, backward twice the forward for
+the inputs' gradients plus ``2·T`` for the trainable weights' (``P`` parameters, ``T`` trainable, ``L`` layers, ``s``
+the sequence, ``h`` the hidden size), activation checkpointing one more forward. A data-parallel rank's tokens are
+split over its tensor-, context- and pipeline-parallel ranks; under a pipeline each rank also idles the bubble.
+communication: the bytes :func:`~trainer_ext.plan.comms.step_traffic` moves per collective, sent as rings
+(:func:`~trainer_ext.plan.comms.wire_bytes`) at the speed of the link the dimension's group spans. Tensor, context
+and pipeline traffic sits on the critical path; data-parallel traffic (gradient reduction, FSDP/ZeRO-3 gathers)
+overlaps with compute and counts only where it is longer. CPU offload adds the optimizer step on the host and the
+transfers over PCIe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer_ext.estimate.setup import Setup
+from trainer_ext.estimate.shape import ModelShape
+from trainer_ext.plan.cluster import INTERCONNECTS, Cluster
+from trainer_ext.plan.layouts import Layout
+
+MODEL_PARALLEL = ("tp", "cp", "pp")
+HOST_BYTES_PER_SECOND = 10e9  # a host's memory bandwidth for the offloaded optimizer step, per rank
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per optimizer step: compute (bubble included), exposed communication, offload, and the traffic by
+    link (bytes each rank sends per step)."""
+
+    compute: float
+    communication: float
+    exposed: float
+    offload: float
+    bubble: float = 0.0
+    sent: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.offload
+
+
+def flops_per_token(shape: ModelShape, setup: Setup) -> float:
+    """Training FLOPs of one token (forward, backward, and a second forward under activation checkpointing)."""
+    attention = 2.0 * shape.num_layers * setup.seq_len * shape.hidden if shape.causal_lm else 0.0
+    forward = 2.0 * shape.params + attention
+    backward = 2.0 * shape.params + 2.0 * attention + 2.0 * shape.trainable
+    return forward * (2 if setup.checkpointing else 1) + backward
+
+
+def step_timing(shape: ModelShape, setup: Setup, layout: Layout, cluster: Cluster) -> Timing:
+    """The step time of ``layout`` (its Setup ``setup``) on ``cluster``."""
+    from trainer_ext.plan.comms import step_traffic, wire_bytes
+
+    tokens = setup.micro_batch * setup.accumulation * setup.seq_len  # one data-parallel rank's, per step
+    split = layout.tp * layout.cp * layout.pp
+    compute = flops_per_token(shape, setup) * tokens / split / cluster.flops(setup.precision)
+    bubble = 0.0
+    if layout.pp > 1:
+        from trainer_ext.estimate.pipeline import bubble as pipeline_bubble
+
+        bubble = pipeline_bubble(setup)
+        compute /= max(1.0 - bubble, 1e-3)
+    dims = {name: (size, stride) for name, size, stride in layout.dimensions()}
+    critical = overlapped = 0.0
+    sent: dict[str, float] = {}
+    for traffic in step_traffic(shape, setup):
+        size, stride = dims.get(traffic.dimension, (traffic.group_size, 1))
+        link = cluster.link(stride, size)
+        wire = wire_bytes(traffic)
+        sent[link] = sent.get(link, 0.0) + wire
+        seconds = wire / INTERCONNECTS[link]
+        if traffic.dimension in MODEL_PARALLEL:
+            critical += seconds
+        else:
+            overlapped += seconds
+    offload = 0.0
+    if setup.offload_optimizer:
+        local = shape.trainable / max(setup.shards, 1)
+        host = setup.optimizer_bytes + 8  # states, fp32 master weights and gradients read and written on the host
+        offload = local * host / HOST_BYTES_PER_SECOND + 2 * 4 * local / INTERCONNECTS["pcie"]
+    return Timing(
+        compute=compute,
+        communication=critical + overlapped,
+        exposed=critical + max(overlapped - compute, 0.0),
+        offload=offload,
+        bubble=bubble,
+        sent=sent,
+    )
