@@ -12,7 +12,7 @@ from pathlib import Path
 
 # top to bottom: (layer, packages, what it holds); each imports only from the layers below it
 LAYERS: list[tuple[str, str, str]] = [
-    ("CLI", "cli/ · cli/launch/", "trainer-ext train / launch / config / env / estimate / report / checkpoint / test"),
+    ("CLI", "cli/ · cli/launch/", "trainer-ext train / launch / config / env / estimate / plan / report / checkpoint / test"),
     (
         "job",
         "job/ · job/builtin_data/",
@@ -49,6 +49,7 @@ BESIDE: list[tuple[str, str, str]] = [
     ("callbacks/", "logging, barriers, NaN guard, throughput", "engine"),
     ("report/", "trainer-ext report: figures, page", "checkpoint I/O"),
     ("estimate/", "memory per rank before a job runs", "job"),
+    ("plan/", "ranked layouts, verified by real steps", "job"),
     ("inference/", "device maps, offload, dispatch", "engine"),
     ("metrics/ · trackers/", "offline metrics; loop trackers", "leaves"),
 ]
