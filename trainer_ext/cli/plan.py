@@ -18,6 +18,7 @@ PLAN_FLAGS = (
     "gpus_per_machine",
     "num_processes",
     "device_memory",
+    "host_memory",
     "interconnect",
     "global_batch_size",
     "top",
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpus_per_machine", type=_positive, default=None, help="devices (processes) on each machine")
     add("--num_processes", type=_positive, default=None, help="processes in total (instead of --gpus_per_machine)")
     add("--device_memory", metavar="SIZE", help="memory of one device, e.g. 80GiB (default: this machine's GPU)")
+    add(
+        "--host_memory",
+        metavar="SIZE",
+        help="host memory of one machine, e.g. 512GiB: CPU offload must fit it (default: not checked)",
+    )
     add("--interconnect", metavar="LINKS", help="links: 'within,between' machines, e.g. nvlink,ib (default)")
     add(
         "--global_batch_size",
@@ -110,7 +116,8 @@ def cluster_from(options: argparse.Namespace) -> Any:
             )
         memory = torch.cuda.get_device_properties(0).total_memory
     within, between = parse_interconnect(options.interconnect, machines, device)
-    return Cluster(machines, per_machine, memory, within, between, device)
+    host = device_memory_bytes(options.host_memory, "--host_memory") if options.host_memory else 0
+    return Cluster(machines, per_machine, memory, within, between, device, host)
 
 
 def run_plan(argv: Sequence[str]) -> int:

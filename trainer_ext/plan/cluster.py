@@ -36,6 +36,7 @@ class Cluster:
     intra: str = "nvlink"  # the link within a machine
     inter: str = "ib"  # the link between machines
     device: str = "cuda"  # cuda | cpu: which speeds apply
+    host_memory: int = 0  # bytes of host memory per machine for CPU offload (0: not checked)
 
     @property
     def world(self) -> int:
@@ -58,6 +59,7 @@ class Cluster:
 
     def describe(self) -> str:
         memory = f" of {_size(self.device_memory)}" if self.device_memory else ""
+        memory += f", {_size(self.host_memory)} host memory per machine" if self.host_memory else ""
         kind = "CPU process" if self.device == "cpu" else "device"
         links = self.intra if self.num_machines == 1 else f"{self.intra} within, {self.inter} between machines"
         many = "s" if self.per_machine > 1 else ""

@@ -94,7 +94,14 @@ def candidate_setup(base: dict[str, Any], layout: Layout, seq_len: int, device: 
     return setup_from_values({**base, **layout.values()}, layout.world, seq_len, device_type=device)
 
 
-def _fit(layout: Layout, per_rank: int, fits: Callable[[Layout], bool], limit: int, preferred: int) -> Layout | None:
+def _fit(
+    layout: Layout,
+    per_rank: int,
+    fits: Callable[[Layout], bool],
+    limit: int,
+    preferred: int,
+    host_limited: bool = False,
+) -> Layout | None:
     """``layout`` with the largest micro-batch (a divisor of ``per_rank``) that fits, its accumulation and pipeline
     microbatches; without a limit the largest divisor up to ``preferred``. None when not even the smallest fits."""
     options = divisors(per_rank)
@@ -105,7 +112,7 @@ def _fit(layout: Layout, per_rank: int, fits: Callable[[Layout], bool], limit: i
         microbatches = micro if layout.pp > 1 else 0
         return layout.replace(micro_batch=micro, accumulation=per_rank // micro, pp_microbatches=microbatches)
 
-    if not limit:
+    if not limit and not host_limited:
         return sized(max([d for d in options if d <= preferred] or options[:1]))
     if not fits(sized(options[0])):
         return None
@@ -139,8 +146,11 @@ def make_plan(train_argv: Sequence[str], cluster: Cluster, global_batch: int | N
     limit = plan.limit
     seq_len, device = user.seq_len, cluster.device
 
+    host = int(cluster.host_memory * HEADROOM / cluster.per_machine) if cluster.host_memory else 0
+
     def fits(layout: Layout) -> bool:
-        return estimate(job.shape, candidate_setup(base, layout, seq_len, device)).peak <= limit
+        memory = estimate(job.shape, candidate_setup(base, layout, seq_len, device))
+        return (not limit or memory.peak <= limit) and (not host or memory.offloaded <= host)
 
     found: list[Candidate] = []
     for tp, cp, pp in model_sizes(cluster, checks, fixed):
@@ -149,14 +159,16 @@ def make_plan(train_argv: Sequence[str], cluster: Cluster, global_batch: int | N
                 continue
             per_rank = global_batch // layout.data_parallel
             for checkpointing in (False, True):
-                sized = _fit(layout.replace(checkpointing=checkpointing), per_rank, fits, limit, user.micro_batch)
+                sized = _fit(
+                    layout.replace(checkpointing=checkpointing), per_rank, fits, limit, user.micro_batch, bool(host)
+                )
                 if sized is None:
                     plan.unfit += 1
                     continue
                 setup = candidate_setup(base, sized, seq_len, device)
                 memory = estimate(job.shape, setup)
                 found.append(Candidate(sized, setup, memory, step_timing(job.shape, setup, sized, cluster)))
-    found.sort(key=lambda c: (round(c.timing.total, 9), len(c.layout.dimensions()), c.memory.peak))
+    found.sort(key=lambda c: (round(c.timing.score, 9), len(c.layout.dimensions()), c.memory.peak))
     plan.ranked = _distinct(found)
     return plan
 
@@ -185,6 +197,13 @@ def smallest_change(train_argv: Sequence[str], cluster: Cluster, global_batch: i
         gib = 1 << 30
         needed = -(-int(peak / HEADROOM) // gib) * gib
         changes.append(f"--device_memory {needed // gib}GiB ({layout.name()} needs {format_size(peak)} per rank)")
+    if cluster.host_memory:
+        unchecked = make_plan(train_argv, dataclasses.replace(cluster, host_memory=0), global_batch, job=job)
+        if unchecked.ranked:
+            least = min(unchecked.ranked, key=lambda c: c.memory.offloaded)
+            gib = 1 << 30
+            needed = -(-int(least.memory.offloaded * cluster.per_machine / HEADROOM) // gib) * gib
+            changes.append(f"--host_memory {needed // gib}GiB ({least.layout.name()} offloads to the host)")
     for machines, per_machine in _bigger(cluster):
         bigger = dataclasses.replace(cluster, num_machines=machines, per_machine=per_machine)
         plan = make_plan(train_argv, bigger, global_batch, job=dataclasses.replace(job))

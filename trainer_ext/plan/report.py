@@ -83,7 +83,10 @@ def reasons(candidate: Candidate, plan: Plan) -> list[str]:
             f"all-reduce crosses {'machines' if across else 'the replica groups'}"
         )
     if layout.offload:
-        found.append("CPU offload: optimizer states (and parameters) live on the host, paid in host time per step")
+        found.append(
+            f"CPU offload: {format_size(memory.offloaded)} of states per rank live in host memory (not checked "
+            f"against the host's), {candidate.timing.offload:.3g} s of host work and transfers per step"
+        )
     for name, size, stride in layout.dimensions():
         link = cluster.link(stride, size)
         if name == "tp":

@@ -7,7 +7,7 @@ split over its tensor-, context- and pipeline-parallel ranks; under a pipeline e
 communication: the bytes :func:`~trainer_ext.plan.comms.step_traffic` moves per collective, sent as rings
 (:func:`~trainer_ext.plan.comms.wire_bytes`) at the speed of the link the dimension's group spans. Tensor, context
 and pipeline traffic sits on the critical path; data-parallel traffic (gradient reduction, FSDP/ZeRO-3 gathers)
-overlaps with compute and counts only where it is longer. CPU offload adds the optimizer step on the host and the
+overlaps with compute and counts only where it is longer (the hidden part at 10 %: its kernels share the device). CPU offload adds the optimizer step on the host and the
 transfers over PCIe.
 """
 
@@ -21,6 +21,12 @@ from trainer_ext.plan.cluster import INTERCONNECTS, Cluster
 from trainer_ext.plan.layouts import Layout
 
 MODEL_PARALLEL = ("tp", "cp", "pp")
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+HIDDEN_COST = 0.1  # the share of hidden communication's time a step still pays
 HOST_BYTES_PER_SECOND = 10e9  # a host's memory bandwidth for the offloaded optimizer step, per rank
 
 
@@ -34,11 +40,18 @@ class Timing:
     exposed: float
     offload: float
     bubble: float = 0.0
+    hidden: float = 0.0  # data-parallel communication overlapped with compute
     sent: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
         return self.compute + self.exposed + self.offload
+
+    @property
+    def score(self) -> float:
+        """What layouts are ranked by: the step time, hidden communication counted at ``HIDDEN_COST`` (its kernels
+        share the device with the compute they hide behind)."""
+        return self.total + HIDDEN_COST * self.hidden
 
 
 def flops_per_token(shape: ModelShape, setup: Setup) -> float:
@@ -47,6 +60,21 @@ def flops_per_token(shape: ModelShape, setup: Setup) -> float:
     forward = 2.0 * shape.params + attention
     backward = 2.0 * shape.params + 2.0 * attention + 2.0 * shape.trainable
     return forward * (2 if setup.checkpointing else 1) + backward
+
+
+def group_span(layout: Layout, dimension: str, group_size: int) -> tuple[int, int]:
+    """(stride, size) of a group of ``dimension`` whose ranks span as far as its parts: a flattened dimension
+    (``dp`` = dp_replicate × dp_shard, ``dp_shard_cp``) spans the outermost of them; DDP's and ZeRO's ``dp`` the
+    world."""
+    dims = {name: (stride, size) for name, size, stride in layout.dimensions()}
+    if dimension in dims:
+        return dims[dimension]
+    parts = FLATTENED.get(dimension, ())
+    spans = [dims[name][0] * dims[name][1] for name in parts if name in dims]
+    if not spans:
+        return 1, group_size
+    span = max(spans)
+    return max(span // max(group_size, 1), 1), group_size
 
 
 def step_timing(shape: ModelShape, setup: Setup, layout: Layout, cluster: Cluster) -> Timing:
@@ -62,12 +90,10 @@ def step_timing(shape: ModelShape, setup: Setup, layout: Layout, cluster: Cluste
 
         bubble = pipeline_bubble(setup)
         compute /= max(1.0 - bubble, 1e-3)
-    dims = {name: (size, stride) for name, size, stride in layout.dimensions()}
     critical = overlapped = 0.0
     sent: dict[str, float] = {}
     for traffic in step_traffic(shape, setup):
-        size, stride = dims.get(traffic.dimension, (traffic.group_size, 1))
-        link = cluster.link(stride, size)
+        link = cluster.link(*group_span(layout, traffic.dimension, traffic.group_size))
         wire = wire_bytes(traffic)
         sent[link] = sent.get(link, 0.0) + wire
         seconds = wire / INTERCONNECTS[link]
@@ -84,6 +110,7 @@ def step_timing(shape: ModelShape, setup: Setup, layout: Layout, cluster: Cluste
         compute=compute,
         communication=critical + overlapped,
         exposed=critical + max(overlapped - compute, 0.0),
+        hidden=min(overlapped, compute),
         offload=offload,
         bubble=bubble,
         sent=sent,
