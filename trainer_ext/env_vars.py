@@ -23,6 +23,9 @@ LOG_LEVEL = "ACCELERATE_LOG_LEVEL"
 # by a script's TrainingArguments and Accelerator that pass no parallelism_config, as under `accelerate launch`
 USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
 PARALLELISM_CONFIG_PREFIX = "PARALLELISM_CONFIG_"
+# the layout `train --parallelism auto` was set to (the start-up block's text), by the trainer-ext CLI (train, or launch
+# ... train) once the layout's flags are on the command line; a process that sees it does not resolve it again
+PARALLELISM_AUTO = "TRAINER_EXT_PARALLELISM_AUTO"
 # where the launcher looks for its config file when --config_file is not given
 CONFIG_FILE = "TRAINER_EXT_CONFIG_FILE"
 

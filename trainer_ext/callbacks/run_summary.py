@@ -7,12 +7,14 @@ window on all ranks together — never micro-batches and never processes.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Any
 
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback
 
+from trainer_ext import env_vars
 from trainer_ext.distributed import cpu_threads
 
 
@@ -57,18 +59,21 @@ def run_summary(
     data_parallel: int | None = None,
     context_parallel: str | None = None,
     pipeline: str | None = None,
+    parallelism: str | None = None,
 ) -> str:
     """The block as text (a pure function so that it is tested without a run). ``mesh`` and ``data_parallel``: the
     parallelism config's mesh and its data-parallel ranks (the world over tensor- and context-parallel ranks, which
     share a batch): those ranks, not the processes, multiply the batch. ``context_parallel``: the context-parallel
     ranks and attention (:func:`_context_parallel`). ``pipeline``: the stages, schedule, microbatches and bubble
-    (:func:`_pipeline`)."""
+    (:func:`_pipeline`). ``parallelism``: the layout ``--parallelism auto`` chose (:func:`_auto`)."""
     ranks = world_size if data_parallel is None else data_parallel
     global_batch = ranks * per_device_batch * accumulation
     lines = [
         "***** trainer_ext: one optimizer step *****",
         f"  world size              = {world_size} ({strategy})",
     ]
+    if parallelism is not None:
+        lines.append(f"  parallelism             = auto: {parallelism}")
     if mesh is not None:
         shared = world_size // max(ranks, 1)
         lines += [
@@ -123,6 +128,13 @@ def _mesh(engine: Any, world_size: int) -> tuple[str | None, int | None]:
     if config.total_size != world_size:  # all sizes 1 on several processes: plain data parallelism
         return f"dp_replicate {world_size}", world_size
     return describe(config), config.total_size // config.non_data_parallel_size
+
+
+def _auto(args: Any) -> str | None:
+    """The layout ``--parallelism auto`` chose, as the CLI that chose it passed it on; None otherwise."""
+    if getattr(args, "parallelism", None) != "auto":
+        return None
+    return os.environ.get(env_vars.PARALLELISM_AUTO) or None
 
 
 def _group(mesh: str) -> str:
@@ -191,5 +203,6 @@ class RunSummaryCallback(TrainerCallback):
             data_parallel=data_parallel,
             context_parallel=_context_parallel(engine),
             pipeline=_pipeline(engine, trainer.model),
+            parallelism=_auto(args),
         )
         print(self.printed, flush=True)

@@ -129,6 +129,19 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         ),
     )
 
+    parallelism: str | None = field(
+        default=None,
+        metadata={
+            **field_help(
+                "auto: the trainer-ext CLI (train, or launch ... train) sets the layout before any process starts, "
+                "to `trainer-ext plan`'s first choice for the run's processes, machines and device memory: FSDP, "
+                "DeepSpeed or the mesh sizes, the micro-batch and accumulation (the global batch kept) and activation "
+                "checkpointing; layout flags given with it fix that part. manual: the layout flags as given. "
+                "Default: manual."
+            ),
+            "choices": ["manual", "auto"],
+        },
+    )
     dp_replicate_size: int | None = field(
         default=None,
         metadata=field_help(

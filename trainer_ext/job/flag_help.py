@@ -52,7 +52,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
         ),
         (
             "precision and distribution",
-            "bf16 fp16 fp8 tf32 use_cpu fsdp fsdp_config deepspeed device_memory ddp_backend ddp_timeout "
+            "bf16 fp16 fp8 tf32 use_cpu parallelism fsdp fsdp_config deepspeed device_memory ddp_backend ddp_timeout "
             "ddp_find_unused_parameters torch_compile",
         ),
         (

@@ -251,3 +251,22 @@ def check_job_model(values: Mapping[str, Any], tp_size: int, cp_size: int = 1, p
     check_model_for_cp(config, cp_size, source)
     check_model_for_pp(config, pp_stages, source)
     return notes
+
+
+def auto_parallelism(args: Any) -> str | None:
+    """What ``--parallelism auto`` was set to (the start-up block's text); None unless the job asks for it.
+    ConfigError when it reaches the job unresolved: the trainer-ext CLI resolves it before any process starts."""
+    import os
+
+    from trainer_ext import env_vars
+
+    if getattr(args, "parallelism", None) != "auto":
+        return None
+    text = os.environ.get(env_vars.PARALLELISM_AUTO)
+    if not text:
+        raise ConfigError(
+            "--parallelism auto is resolved by the trainer-ext CLI before the processes start (trainer-ext train, or "
+            "trainer-ext launch ... train); from Python, pass the layout flags `trainer-ext plan` prints for the job "
+            "instead (or parallelism='manual')"
+        )
+    return text

@@ -24,6 +24,7 @@ from trainer_ext.job.arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments
 from trainer_ext.job.builtin_data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows, class_count
 from trainer_ext.job.lora import MERGED_DIR, apply_lora, save_merged
 from trainer_ext.job.model_limits import check_job_config, check_model_config, load_model_config
+from trainer_ext.job.parallel import auto_parallelism
 from trainer_ext.metrics.for_trainer import TrainerMetrics, build_metrics
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def train(
     the merged model in ``output_dir/merged``, merged in place at the very end).
     """
     args = _as_job_arguments(args)
+    auto_parallelism(args)  # an unresolved --parallelism auto: one line, before anything is read or written
     if os.environ.get(cpu_threads.SOURCE) == "policy" or cpu_threads.NUM_THREADS not in os.environ:
         cpu_threads.apply_to_torch(cpu_threads.local_processes())  # torch may have been imported before it was set
     fresh = not os.path.exists(args.output_dir)
