@@ -66,10 +66,10 @@ def _build_train_parser():
     return build_parser()
 
 
-def check_train_flags(argv: Sequence[str]) -> None:
+def check_train_flags(argv: Sequence[str]) -> dict:
     """Flags, their values, the ``--config`` files' keys, and the model and data fields (paths, presets, task)
     checked before torch is imported; ConfigError on the first problem. What needs the real types or the model is
-    left to the full parse."""
+    left to the full parse. Returns the values given (the files', then the flags')."""
     from trainer_ext.config_files import load_mapping
     from trainer_ext.job.fields import DataArguments, ModelArguments
     from trainer_ext.job.flag_spec import CONFIG_SUFFIXES, check_argv, load_spec
@@ -91,6 +91,7 @@ def check_train_flags(argv: Sequence[str]) -> None:
             raise
         except (TypeError, ValueError, AttributeError):
             pass  # a value of another shape (a config file's string for a number): the full parse words it
+    return values
 
 
 def run_train(argv: Sequence[str]) -> int:
@@ -106,7 +107,8 @@ def run_train(argv: Sequence[str]) -> int:
 
         print(render(load_spec(_build_train_parser), everything=HELP_ALL in argv), end="")
         return 0
-    check_train_flags(argv)
+    values = check_train_flags(argv)
+    argv = _resolve_parallelism(argv, values)
 
     from trainer_ext.job.flags import parse_train_args
     from trainer_ext.job.run import train
@@ -122,6 +124,25 @@ def run_train(argv: Sequence[str]) -> int:
         merged = f" (merged model: {args.output_dir}/merged)" if args.merge_lora else ""
         print(f"{saved} saved to {args.output_dir}{merged}")
     return 0
+
+
+def _resolve_parallelism(argv: Sequence[str], values: dict) -> Sequence[str]:
+    """``--parallelism auto`` resolved to the plan's layout for the processes this one runs among (under torchrun
+    every rank resolves it alike; a launcher that resolved it already says so in the environment)."""
+    import os
+
+    from trainer_ext import env_vars
+    from trainer_ext.cli import parallelism
+
+    if not parallelism.requested(values) or parallelism.already_resolved():
+        return argv
+    world = int(os.environ.get(env_vars.WORLD_SIZE) or 1)
+    per_machine = int(os.environ.get(env_vars.LOCAL_WORLD_SIZE) or world)
+    cpu = parallelism.truthy(values.get("use_cpu"))
+    cluster = parallelism.cluster_for(max(world // per_machine, 1), per_machine, cpu, values.get("device_memory"))
+    resolved = parallelism.resolve(argv, cluster, "trainer-ext launch --nproc_per_node")
+    os.environ.update(parallelism.auto_env(resolved))
+    return resolved.argv
 
 
 def _usage() -> str:

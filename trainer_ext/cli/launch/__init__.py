@@ -11,6 +11,7 @@ The modules import in one direction, each only from those below it:
     command      prepare / run_launch: the subcommand
     options      the launcher's command line          run       start the processes (torchrun)
     plan         the command, environment, dry run    ports     is the rendezvous port free?
+    auto         train --parallelism auto: the layout trainer-ext plan ranks first, as train flags
     fsdp         FSDP settings as train will parse them
     train_args   launch settings into train flags or script variables; the DeepSpeed preview
     settings     command line > config file > defaults, with sources and problems

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from trainer_ext import env_vars
+from trainer_ext.cli.launch.auto import resolve_auto
 from trainer_ext.cli.launch.fsdp import FSDPPreview, preview_fsdp, runs_fsdp, script_fsdp
 from trainer_ext.cli.launch.handoff import (
     DeepSpeedPreview,
@@ -92,6 +93,11 @@ def build_plan(s: Settings, target: Target, strategy: bool = True) -> Plan:
         if parallel is not None:
             target = Target(target.kind, target.name, [*target.args, *parallel.train_flags])
         if strategy:
+            auto = resolve_auto(s, target, notes, parallel)
+            if auto is not None:  # the plan's layout replaces the job's (the launch's layout settings included)
+                target, parallel, auto_env = auto
+                user_args = target.args
+                env.update(auto_env)
             deepspeed = preview_deepspeed(s, user_args, target.args)
             notes += deepspeed.notes if deepspeed else []
             fsdp = preview_fsdp(s, user_args, target.args)
