@@ -62,7 +62,7 @@ class Cluster:
         memory += f", {_size(self.host_memory)} host memory per machine" if self.host_memory else ""
         kind = "CPU process" if self.device == "cpu" else "device"
         links = self.intra if self.num_machines == 1 else f"{self.intra} within, {self.inter} between machines"
-        many = "s" if self.per_machine > 1 else ""
+        many = ("es" if self.device == "cpu" else "s") if self.per_machine > 1 else ""
         if self.num_machines == 1:
             return f"{self.per_machine} {kind}{many}{memory} ({links})"
         return f"{self.num_machines} machines × {self.per_machine} {kind}{many}{memory} ({links})"

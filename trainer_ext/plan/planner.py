@@ -3,7 +3,8 @@
 Each layout's micro-batch is the largest divisor of its share of the global batch whose peak fits 90 % of the
 device (the rest for the allocator's fragmentation, the CUDA context and communication buffers); the global batch
 stays the same in every layout. Layouts that fit are ranked by the step time of :mod:`trainer_ext.plan.timing`,
-then by fewer parallel dimensions, then by memory. When none fits, :func:`smallest_change` says what would.
+to 3 significant digits, then by fewer parallel dimensions, then the simpler family (DDP, FSDP2, ZeRO-1/2/3, HSDP; no
+offload), then by memory. When none fits, :func:`smallest_change` says what would.
 """
 
 from __future__ import annotations
@@ -168,9 +169,19 @@ def make_plan(train_argv: Sequence[str], cluster: Cluster, global_batch: int | N
                 setup = candidate_setup(base, sized, seq_len, device)
                 memory = estimate(job.shape, setup)
                 found.append(Candidate(sized, setup, memory, step_timing(job.shape, setup, sized, cluster)))
-    found.sort(key=lambda c: (round(c.timing.score, 9), len(c.layout.dimensions()), c.memory.peak))
+    found.sort(key=_rank_key)
     plan.ranked = _distinct(found)
     return plan
+
+
+# among layouts as fast as each other (to 3 significant digits), the simpler first
+SIMPLER = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp")
+
+
+def _rank_key(candidate: Candidate) -> tuple:
+    layout = candidate.layout
+    simple = (layout.offload, not layout.reshard, SIMPLER.index(layout.family))
+    return (float(f"{candidate.timing.score:.3g}"), len(layout.dimensions()), *simple, candidate.memory.peak)
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:

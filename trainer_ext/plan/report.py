@@ -111,11 +111,15 @@ def reasons(candidate: Candidate, plan: Plan) -> list[str]:
     return found
 
 
+def _count(number: int) -> str:
+    return f"{number / 1e9:,.2f}B" if number >= 1e9 else f"{number / 1e6:,.2f}M"
+
+
 def format_plan(plan: Plan, top: int = 3) -> str:
     """The plan's text: the cluster and model, then the top layouts with their reasons and commands."""
     shape, cluster = plan.job.shape, plan.cluster
     lines = [
-        f"model: {shape.model_type}, {shape.params / 1e9:,.2f}B parameters, {shape.num_layers} layers, "
+        f"model: {shape.model_type}, {_count(shape.params)} parameters, {shape.num_layers} layers, "
         f"{shape.heads} heads ({shape.kv_heads} kv); sequence {plan.job.setup.seq_len}, global batch "
         f"{plan.global_batch}",
         f"cluster: {cluster.describe()}",
