@@ -99,6 +99,7 @@ def resolve(argv: Sequence[str], cluster: Any, more_processes: str = "--nproc_pe
     what would (``more_processes``: the flag that asks for more processes where the run is started)."""
     from trainer_ext.estimate.fit import checkpointing_flag
     from trainer_ext.job.flags import parse_train_values
+    from trainer_ext.plan.layouts import drop_flags
     from trainer_ext.plan.planner import make_plan, smallest_change
 
     argv = list(argv)
@@ -123,7 +124,7 @@ def resolve(argv: Sequence[str], cluster: Any, more_processes: str = "--nproc_pe
         )
     layout = ranked[0].layout
     flags = _layout_flags(layout, values, checkpointing_flag())
-    kept = _drop(argv, {name for name in CHOSEN if not _fixed_by_user(name, values, layout)})
+    kept = drop_flags(argv, {name for name in CHOSEN if not _fixed_by_user(name, values, layout)})
     which = f"first of the {len(ranked)} planned layouts" if len(ranked) > 1 else "the one planned layout"
     text = f"{layout.name()} ({which} that fit{'s' * (len(ranked) == 1)} {where})"
     return Resolved([*kept, *flags], flags, text, layout)
@@ -182,34 +183,6 @@ def truthy(value: Any) -> bool:
     from trainer_ext.job.flag_spec import TRUE_WORDS
 
     return value is True or (isinstance(value, str) and value.lower() in TRUE_WORDS)
-
-
-def _drop(argv: Sequence[str], dests: set[str]) -> list[str]:
-    """``argv`` without the flags (and their values) whose destination is in ``dests``, read as train reads them."""
-    from trainer_ext.job.flag_spec import _is_value, load_spec
-    from trainer_ext.job.flags import build_parser
-
-    by_option = {}
-    for flag in load_spec(build_parser):
-        for option in (*flag.options, *flag.negative):
-            by_option[option] = flag
-    kept: list[str] = []
-    words, i = list(argv), 0
-    while i < len(words):
-        word = words[i]
-        option, inline = word.split("=", 1) if "=" in word else (word, None)
-        flag = by_option.get(option)
-        span = [word]
-        i += 1
-        if flag is not None and inline is None and flag.kind != "switch" and option not in flag.negative:
-            taken = 0
-            while i < len(words) and _is_value(words[i]) and (flag.nargs in ("+", "*") or not taken):
-                span.append(words[i])
-                taken += 1
-                i += 1
-        if flag is None or flag.dest not in dests:
-            kept += span
-    return kept
 
 
 def auto_env(resolved: Resolved) -> dict[str, str]:

@@ -11,7 +11,7 @@ divisible by ``tp``, a model the pipeline can split into ``pp`` stages, a causal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,3 +262,31 @@ def fixed_by_flags(values: dict[str, Any]) -> dict[str, Any]:
         settings = parse_fsdp(values.get("fsdp"), values.get("fsdp_config"))
         fixed["fsdp"] = (settings.reshard_after_forward, settings.cpu_offload)
     return fixed
+
+
+def drop_flags(argv: Sequence[str], dests: set[str]) -> list[str]:
+    """``argv`` without the flags (and their values) whose destination is in ``dests``, read as train reads them."""
+    from trainer_ext.job.flag_spec import _is_value, load_spec
+    from trainer_ext.job.flags import build_parser
+
+    by_option = {}
+    for flag in load_spec(build_parser):
+        for option in (*flag.options, *flag.negative):
+            by_option[option] = flag
+    kept: list[str] = []
+    words, i = list(argv), 0
+    while i < len(words):
+        word = words[i]
+        option, inline = word.split("=", 1) if "=" in word else (word, None)
+        flag = by_option.get(option)
+        span = [word]
+        i += 1
+        if flag is not None and inline is None and flag.kind != "switch" and option not in flag.negative:
+            taken = 0
+            while i < len(words) and _is_value(words[i]) and (flag.nargs in ("+", "*") or not taken):
+                span.append(words[i])
+                taken += 1
+                i += 1
+        if flag is None or flag.dest not in dests:
+            kept += span
+    return kept

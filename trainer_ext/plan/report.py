@@ -30,26 +30,12 @@ def launch_command(candidate: Candidate, plan: Plan) -> str:
 
 
 def _without_layout(argv: list[str]) -> list[str]:
-    """The job's flags without the layout ones the plan sets (sizes, --fsdp, --deepspeed, batch, checkpointing)."""
-    from trainer_ext.plan.layouts import LAYOUT_FLAGS
+    """The job's flags without those the plan sets (sizes, --fsdp, --deepspeed, batch, checkpointing, and
+    --parallelism), read as train reads them."""
+    from trainer_ext.plan.layouts import LAYOUT_FLAGS, drop_flags
 
-    names = {f"--{name}" for name in LAYOUT_FLAGS}
-    names |= {"--per_device_train_batch_size", "--gradient_accumulation_steps", "--fsdp_config"}
-    names |= {f"--parallelism_config_{name}" for name in LAYOUT_FLAGS}
-    switches = {"--gradient_checkpointing", "--activation_checkpointing"}
-    kept, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-            continue
-        flag = word.split("=", 1)[0]
-        if flag in switches:
-            continue
-        if flag in names:
-            skip = "=" not in word
-            continue
-        kept.append(word)
-    return kept
+    planned = {*LAYOUT_FLAGS, "fsdp_config", "per_device_train_batch_size", "gradient_accumulation_steps"}
+    return drop_flags(argv, planned | {"gradient_checkpointing", "activation_checkpointing", "parallelism"})
 
 
 def reasons(candidate: Candidate, plan: Plan) -> list[str]:
