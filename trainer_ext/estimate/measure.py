@@ -2,9 +2,10 @@
 
 :class:`MeasureCallback` rides along a real ``train`` run of the same job. Over every micro-batch it counts the
 storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``; parameters and their gathered copies
-excluded, each storage once); before the second optimizer step, when gradients and optimizer states all exist, it
-sorts the tensors the rank holds into weights (the local parameters, their shards or partitions, and any master
-copies the optimizer steps), optimizer states and gradients, each storage once.
+excluded, each storage once, the most held at once); before the second optimizer step (under DeepSpeed, which steps
+inside backward, when its torch optimizer is called), when gradients and optimizer states all exist, it sorts the
+tensors the rank holds into weights (the local parameters, their shards or partitions, and any master copies the
+optimizer steps), optimizer states and gradients, each storage once.
 """
 
 from __future__ import annotations
@@ -24,16 +25,23 @@ _GRAD_WORDS = ("grad",)
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(key, bytes) of the storage under ``tensor``; None for meta, empty or storage-less tensors."""
+    """(key, bytes) of the storage under ``tensor`` (a DTensor's: its local shard's); None for meta, empty or
+    storage-less tensors."""
+    # tensor parallelism's layers save DTensors for backward (autograd records the ops above DTensor's dispatch): a
+    # wrapper without a storage of its own, holding its local tensor
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
     if tensor.device.type == "meta":
         return None
     try:
         storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
-    if storage.nbytes() == 0 or storage.data_ptr() == 0:
+    if size == 0 or key == 0:
         return None
-    return storage.data_ptr(), storage.nbytes()
+    return key, size
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,15 +109,40 @@ def held_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     return counter.bytes
 
 
+class _Saved:
+    """One tensor saved for backward, held by the graph in its place: released (``__del__``) when the graph frees it,
+    after its backward."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: int, owner: SavedTensors) -> None:
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
+
+
+def _unpack(saved: Any) -> Any:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
 class SavedTensors:
-    """Counts the storages saved for backward while entered (each once; parameters and their casts apart)."""
+    """Counts the storages saved for backward while entered (each once; parameters and their casts apart).
+
+    ``activations`` holds every storage saved; ``total`` is the most bytes saved and not yet freed at once. They
+    differ when backward frees some before the forward of another microbatch saves more (a pipeline schedule runs
+    several in one training step): the union of the storages would count every microbatch, and a freed storage's
+    address reused by a later one only once."""
 
     def __init__(self) -> None:
         self.activations: dict[int, int] = {}
         self.weight_copies: dict[int, int] = {}
         self._hooks: Any = None
+        self._live: dict[int, list[int]] = {}  # storage key -> [bytes, tensors saved from it the graph still holds]
+        self._live_bytes = 0
+        self._peak = 0
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> Any:
         found = _storage(tensor)
         if found is None:
             return tensor
@@ -124,13 +157,29 @@ class SavedTensors:
             if source is not None and source.name() == "torch::autograd::AccumulateGrad":
                 self.weight_copies[found[0]] = found[1]  # autocast's half-precision copy of a weight
                 return tensor
-        self.activations[found[0]] = found[1]
-        return tensor
+        key, size = found
+        self.activations[key] = size
+        entry = self._live.setdefault(key, [size, 0])
+        if entry[1] == 0:
+            self._live_bytes += size
+            self._peak = max(self._peak, self._live_bytes)
+        entry[1] += 1
+        return _Saved(tensor, key, self)
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._live_bytes -= entry[0]
+            del self._live[key]
 
     def __enter__(self) -> SavedTensors:
         self.activations.clear()
         self.weight_copies.clear()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._peak = self._live_bytes
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
@@ -139,7 +188,7 @@ class SavedTensors:
 
     @property
     def total(self) -> int:
-        return sum(self.activations.values())
+        return self._peak
 
 
 class MeasureCallback(TrainerCallback):
@@ -151,6 +200,8 @@ class MeasureCallback(TrainerCallback):
         self.active = False
         self.activations = 0
         self.weight_copies = 0
+        self.held: dict[str, int] | None = None  # counted inside the optimizer's step (DeepSpeed), else None
+        self._unhook: Any = None
 
     def _start(self) -> None:
         if not self.active:
@@ -164,8 +215,37 @@ class MeasureCallback(TrainerCallback):
             self.saved.__exit__(None, None, None)
             self.active = False
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._start()
+        if state.global_step == MEASURED_STEP and model is not None and self._unhook is None and self.held is None:
+            self._hook_inner_step(model, optimizer)
+
+    def _hook_inner_step(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """Count the held tensors when the innermost torch optimizer steps, once. DeepSpeed steps inside backward,
+        before ``on_pre_optimizer_step``, and ZeRO-1/2 free their gradient partitions right after: only then do
+        gradients and optimizer states all exist (the other strategies step after the callback; it counts there)."""
+        inner = [o for o in optimizer_chain(optimizer) if isinstance(o, torch.optim.Optimizer)]
+        if not inner:
+            return
+        target = inner[-1]
+        original = target.step
+
+        def step(*step_args: Any, **step_kwargs: Any) -> Any:
+            self._unhook_step()
+            self.held = held_bytes(model, optimizer)
+            return original(*step_args, **step_kwargs)
+
+        def unhook() -> None:
+            if target.__dict__.get("step") is step:
+                del target.step
+
+        target.step = step
+        self._unhook = unhook
+
+    def _unhook_step(self) -> None:
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._record()  # one micro-batch done: its saved tensors were freed by its backward
@@ -175,7 +255,8 @@ class MeasureCallback(TrainerCallback):
         self._record()
         if state.global_step != MEASURED_STEP or model is None:
             return
-        held = held_bytes(model, optimizer)
+        self._unhook_step()
+        held = self.held if self.held is not None else held_bytes(model, optimizer)
         result = {
             "weights": held.get("weights", 0),
             "gradients": held.get("gradients", 0),
@@ -193,3 +274,4 @@ class MeasureCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._record()
+        self._unhook_step()
