@@ -133,6 +133,12 @@ def run_plan(argv: Sequence[str]) -> int:
     cluster = cluster_from(options)
     if options.verify and cluster.num_machines > 1:
         raise ConfigError("--verify runs the layouts on this machine; plan one machine (--num_machines 1) to verify")
+    if options.json and options.json != "-":
+        from trainer_ext.cli.estimate import check_json_target
+        from trainer_ext.estimate.report import check_writable
+
+        check_json_target(options.json)
+        check_writable(options.json)  # before the plan and the verifying runs, not after
     plan = make_plan(train_argv, cluster, options.global_batch_size)
     if not plan.ranked:
         changes = smallest_change(train_argv, cluster, plan.global_batch, plan.job)
@@ -141,46 +147,85 @@ def run_plan(argv: Sequence[str]) -> int:
             f"no layout fits {cluster.describe()}: the job needs more memory per device than any layout leaves; it "
             f"fits with {what}"
         )
-    if options.json == "-":
-        print(json.dumps(plan_json(plan, options.top), indent=2, sort_keys=True))
-    else:
+    document = plan_json(plan, options.top)
+    if options.json != "-":
         print(format_plan(plan, options.top))
-    if options.json and options.json != "-":
-        from trainer_ext.cli.estimate import check_json_target, write_json_file
-
-        check_json_target(options.json)
-        write_json_file(options.json, plan_json(plan, options.top))
+    status = 0
     if options.verify:
-        return verify(plan, options.top)
-    return 0
+        status, document["verified"] = verify(plan, options.top, quiet=options.json == "-")
+    if options.json == "-":
+        print(json.dumps(document, indent=2, sort_keys=True))
+    elif options.json:
+        from trainer_ext.cli.estimate import write_json_file
+
+        write_json_file(options.json, document)
+    return status
 
 
-def verify(plan: Any, top: int) -> int:
-    """Two real optimizer steps of each of the top layouts on this machine's processes; predicted vs measured."""
-    from trainer_ext.plan.comms import step_traffic
+MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "total")
+SMALL = 0.01  # collectives the model leaves out (norms, logging, start-up broadcasts) stay under this share
+
+
+def verify(plan: Any, top: int, quiet: bool = False) -> tuple[int, list[dict[str, Any]]]:
+    """Two real optimizer steps of each of the top layouts on this machine's processes: predicted against measured
+    per-rank memory and bytes per collective (status 1 when a run failed), printed unless ``quiet``."""
+    from trainer_ext.cli.parallelism import _layout_flags
+    from trainer_ext.estimate.fit import checkpointing_flag
+    from trainer_ext.job.flags import parse_train_values
+    from trainer_ext.plan.comms import by_collective, step_traffic
     from trainer_ext.plan.report import _without_layout
     from trainer_ext.plan.worker import measure_layout
 
-    print("\nverify: two optimizer steps of each layout on this machine, per rank (busiest rank)")
-    failed = 0
+    def say(text: str) -> None:
+        if not quiet:
+            print(text)
+
+    _check_devices(plan, top)
+    values = parse_train_values(plan.train_argv)[0]
+    say("\nverify: two optimizer steps of each layout on this machine; the busiest rank, the second step")
+    failed, results = 0, []
     for number, candidate in enumerate(plan.ranked[:top], 1):
-        argv = [*_without_layout(plan.train_argv), *candidate.layout.flags()]
-        print(f"{number}. {candidate.layout.name()}")
+        layout = candidate.layout
+        argv = [*_without_layout(plan.train_argv), *_layout_flags(layout, values, checkpointing_flag())]
+        say(f"{number}. {layout.name()}")
         try:
-            measured = measure_layout(argv, candidate.layout.world)
+            measured = measure_layout(argv, layout.world, setup=candidate.setup)
         except RuntimeError as error:
             print(f"   error: {error}", file=sys.stderr)
             failed += 1
+            results.append({"layout": layout.name(), "error": str(error)})
             continue
-        for key in ("weights", "gradients", "optimizer", "activations", "total"):
-            print(_row(key, getattr(candidate.memory, key), measured.get(key, 0)))
-        predicted: dict[str, int] = {}
-        for traffic in step_traffic(plan.job.shape, candidate.setup):
-            predicted[traffic.collective] = predicted.get(traffic.collective, 0) + traffic.bytes
-        counted = measured.get("collectives", {})
-        for kind in sorted(set(predicted) | {k for k, v in counted.items() if v and k != "recv"}):
-            print(_row(kind, predicted.get(kind, 0), counted.get(kind, 0)))
-    return 1 if failed else 0
+        memory = {key: [getattr(candidate.memory, key), int(measured.get(key, 0))] for key in MEMORY_KEYS}
+        predicted = by_collective(step_traffic(plan.job.shape, candidate.setup))
+        counted = {k: int(v) for k, v in measured.get("collectives", {}).items() if v and k != "recv"}
+        everything = max(sum(counted.values()), 1)
+        collectives = {
+            kind: [predicted.get(kind, 0), counted.get(kind, 0)]
+            for kind in sorted(set(predicted) | set(counted))
+            if predicted.get(kind) or counted.get(kind, 0) >= SMALL * everything
+        }
+        small = sorted(kind for kind in counted if kind not in collectives)
+        for key, (guess, real) in [*memory.items(), *collectives.items()]:
+            say(_row(key, guess, real))
+        if small:
+            say(f"   not modelled (under 1 % of the bytes): {', '.join(small)}")
+        results.append({"layout": layout.name(), "memory": memory, "collectives": collectives, "not_modelled": small})
+    return (1 if failed else 0), results
+
+
+def _check_devices(plan: Any, top: int) -> None:
+    """Refuse, before any run, layouts with more processes than this machine's GPUs (on a GPU plan)."""
+    if plan.cluster.device != "cuda":
+        return
+    import torch
+
+    needed = max(candidate.layout.world for candidate in plan.ranked[:top])
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < needed:
+        raise ConfigError(
+            f"--verify runs each layout on this machine's GPUs: it needs {needed} and this machine has {have}; "
+            "plan for this machine's GPUs, or add --cpu to verify on CPU processes"
+        )
 
 
 def _row(name: str, predicted: int, measured: int) -> str:
