@@ -82,7 +82,11 @@ def test_sharding_factors_and_precision() -> None:
     )
     assert offload.weights == offload.gradients == offload.optimizer == 0 and offload.offloaded > 0
     zero1 = estimate(shape, Setup(strategy="deepspeed", zero_stage=1, world_size=8, precision="bf16"))
-    assert zero1.optimizer == 8 * p // 8 and zero1.gradients == 2 * p
+    # bf16 gradients whole, and the fp32 copy of the rank's partition the step flattens for the optimizer
+    assert zero1.optimizer == 8 * p // 8 and zero1.gradients == 2 * p + 4 * p // 8
+    assert zero3.gradients == int(2 * p / 8 + 4 * shape.params / 8)  # p / 8 is within the default sub_group_size
+    capped = estimate(shape, Setup(strategy="deepspeed", zero_stage=3, world_size=2, sub_group_size=10**9))
+    assert capped.gradients == int(4 * p / 2 + 4 * 10**9)  # the fp32 copy of one sub-group at a time
     bf16 = estimate(shape, Setup(precision="bf16", micro_batch=1, seq_len=4096))
     fp32 = estimate(shape, Setup(micro_batch=1, seq_len=4096))
     logits = 4 * shape.vocab * 4096

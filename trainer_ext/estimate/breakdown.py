@@ -63,13 +63,23 @@ def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float
         md = 2 if mixed else 4  # DeepSpeed keeps the model itself in the training dtype, plus fp32 master partitions
         stage = setup.zero_stage
         model = md * p / w if stage >= 3 else md * p
-        # fp32 master weights: under bf16/fp16 a separate copy at every stage (ZeRO-0's BF16/FP16 optimizer keeps
-        # it whole, stages 1-3 partition it); under fp32, stages 1-2 keep partitions, ZeRO-3 steps the parameters
-        if mixed:
-            master = 4 * p / w if stage >= 1 else 4 * p
-        else:
-            master = 4 * p / w if 1 <= stage < 3 else 0.0
+        # fp32 master weights: stages 1-3 keep a partition of them in every precision, ZeRO-0 a whole copy under
+        # bf16/fp16 (its BF16/FP16 optimizer) and none under fp32. ZeRO-3 in fp32 means to step its fp32 partitions
+        # in place, but it tests `partition.device == self.device` against a device name (a str), never equal to a
+        # torch.device: it clones them (measured on gloo ranks, weights 2 x 4P/W)
+        master = 4 * p / w if stage >= 1 else (4 * p if mixed else 0.0)
         grads = md * t if stage <= 1 else md * t / w
+        if stage == 2:
+            # ZeRO-2's reduced-gradient buffer holds every parameter that overlaps the rank's partition whole, the
+            # ones across its two ends too: about one largest tensor more (ZeRO-3 splits each parameter; measured
+            # on 2 and 4 gloo ranks, tiny-llama: the busiest rank within 4 %, without this 18 % under)
+            grads += md * min(max(shape.vocab, shape.intermediate) * shape.hidden, t - t / w)
+        if stage >= 1:
+            # the step flattens the rank's reduced gradient partition into an fp32 tensor for the optimizer while the
+            # partition buffer lives on (stage_1_and_2's step, stage 3's _prepare_fp32_grad_for_sub_group): one
+            # parameter group at a time (the decayed group, nearly all of it), at most sub_group_size elements under
+            # ZeRO-3. Measured on gloo ranks inside the optimizer step: gradients 2 x 4T/W in fp32
+            grads += 4 * (min(t / w, setup.sub_group_size) if stage >= 3 else t / w)
         optim = ob * t / w if stage >= 1 else ob * t
         offloaded = 0.0
         if setup.offload_optimizer:

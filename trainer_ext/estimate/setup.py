@@ -56,6 +56,7 @@ class Setup:
     world_size: int = 1
     precision: str = "no"  # no | bf16 | fp16
     zero_stage: int = 0  # DeepSpeed only
+    sub_group_size: int = 1_000_000_000  # DeepSpeed ZeRO-3: the most elements of a partition it steps at once
     offload_optimizer: bool = False  # ZeRO offload_optimizer / FSDP2 cpu_offload
     offload_params: bool = False  # ZeRO-3 offload_param / FSDP2 cpu_offload
     reshard_after_forward: bool = True  # FSDP2
@@ -169,8 +170,10 @@ def _deepspeed_settings(source: Any) -> dict[str, Any]:
     for name in ("bf16", "fp16"):
         if get_value(config, f"{name}.enabled", False) is True:
             precision = name
+    sub_group_size = get_value(config, "zero_optimization.sub_group_size", None)
     return dict(
         zero_stage=zero_stage(config),
+        sub_group_size=int(sub_group_size) if isinstance(sub_group_size, (int, float)) else Setup.sub_group_size,
         offload_optimizer=offloaded("offload_optimizer"),
         offload_params=offloaded("offload_param"),
         precision=precision,
