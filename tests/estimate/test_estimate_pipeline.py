@@ -14,7 +14,7 @@ import pytest
 from trainer_ext.cli.main import main
 from trainer_ext.distributed.pipeline.schedules import bubble_fraction
 from trainer_ext.estimate.breakdown import estimate
-from trainer_ext.estimate.pipeline import in_flight, stage_ranges
+from trainer_ext.estimate.pipeline import in_flight, outer_elements_not_saved, rank_parts, stage_ranges
 from trainer_ext.estimate.setup import setup_from_values
 from trainer_ext.estimate.shape import ModelShape
 
@@ -72,13 +72,29 @@ def test_per_stage_states_fall_with_pp_by_the_balance_split():
     assert sharded.weights == pytest.approx(estimate(shape(), setup(2)).weights / 2, rel=0.01)
 
 
+def _one_microbatch_per_rank(values) -> list[int]:
+    """Each pipeline rank's activations for one microbatch: its part's, less the outside terms only the last stage
+    saves."""
+    parts, inner, micro, _ = rank_parts(shape(), values, 8)
+    return [
+        estimate(part, inner, micro).activations
+        - int(outer_elements_not_saved(shape(), values, rank) * micro * inner.local_seq_len * inner.compute_bytes)
+        for rank, part in enumerate(parts)
+    ]
+
+
 def test_activations_follow_the_microbatches_in_flight():
-    assert in_flight(setup(2, pp_schedule="1f1b", pp_microbatches=8)) == 2
-    assert in_flight(setup(2, pp_schedule="gpipe", pp_microbatches=8)) == 8
-    assert in_flight(setup(2, pp_schedule="interleaved_1f1b", pp_microbatches=8)) == 2
-    onef = estimate(shape(), setup(2, pp_schedule="1f1b", pp_microbatches=8)).activations
-    gpipe = estimate(shape(), setup(2, pp_schedule="gpipe", pp_microbatches=8)).activations
-    assert gpipe == pytest.approx(4 * onef, rel=0.01)  # 8 microbatches of 1 sequence in flight, not 2
+    onef_setup, gpipe_setup = (setup(2, pp_schedule=name, pp_microbatches=8) for name in ("1f1b", "gpipe"))
+    assert in_flight(onef_setup) == 2
+    assert [in_flight(onef_setup, rank) for rank in (0, 1)] == [2, 1]  # 1F1B: pp_size - rank
+    assert [in_flight(gpipe_setup, rank) for rank in (0, 1)] == [8, 8]
+    assert in_flight(setup(2, pp_schedule="interleaved_1f1b", pp_microbatches=8), 1) == 2
+    first, last = _one_microbatch_per_rank(onef_setup)
+    assert 0 < first < last  # the last stage saves the final norm, the head's input and the logits
+    onef = estimate(shape(), onef_setup).activations
+    gpipe = estimate(shape(), gpipe_setup).activations
+    assert onef == pytest.approx(max(2 * first, last), rel=0.01)
+    assert gpipe == pytest.approx(8 * last, rel=0.01)  # 8 microbatches of 1 sequence in flight on every rank
     assert gpipe == pytest.approx(estimate(shape(), setup(2, pp_schedule="gpipe")).activations, rel=0.01)
 
 

@@ -123,14 +123,17 @@ def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Break
 
 
 def _pipeline_estimate(shape: ModelShape, setup: Setup, batch: int) -> Breakdown:
-    """The busiest pipeline rank: each rank's part estimated as one stage's job at one microbatch, its activations
-    times the microbatches in flight (:mod:`trainer_ext.estimate.pipeline`)."""
-    parts, inner, micro, flight = pipeline.rank_parts(shape, setup, batch)
+    """The busiest pipeline rank: each rank's part estimated as one stage's job at one microbatch, less the outside
+    activations only the last stage saves, times the microbatches that rank keeps in flight
+    (:mod:`trainer_ext.estimate.pipeline`)."""
+    parts, inner, micro, _ = pipeline.rank_parts(shape, setup, batch)
     best = None
-    for part in parts:
+    for rank, part in enumerate(parts):
         one = estimate(part, inner, micro)
+        flight = pipeline.in_flight(setup, rank)
+        cut = pipeline.outer_elements_not_saved(shape, setup, rank) * micro * inner.local_seq_len * inner.compute_bytes
         names = ("activations", "activations_checkpointed", "activations_full")
-        result = replace(one, **{name: getattr(one, name) * flight for name in names})
+        result = replace(one, **{name: int(max(getattr(one, name) - cut, 0)) * flight for name in names})
         if best is None or result.peak > best.peak:
             best = result
     assert best is not None

@@ -42,11 +42,36 @@ def microbatches(setup: Setup) -> int:
     return setup.pp_microbatches or default_microbatches(setup.pp_schedule, setup.pp_size)
 
 
-def in_flight(setup: Setup) -> int:
+def in_flight(setup: Setup, pp_rank: int | None = None) -> int:
     """Microbatches whose activations one stage keeps at once: all of them for GPipe and looped BFS, else at most
-    ``pp_size``."""
+    ``pp_size``; with ``pp_rank``, that rank's under 1F1B: ``pp_size - pp_rank``.
+
+    1F1B's rank ``r`` runs ``pp_size - 1 - r`` warm-up forwards, then one forward and one backward in turn, so it
+    never holds more than ``pp_size - r`` microbatches (measured on gloo ranks: the first stage holds 2, the last 1
+    at pp 2), and the last stage, which holds the logits, only one. The interleaved and zero-bubble schedules keep
+    the bound ``pp_size`` for every rank (not measured)."""
     count = microbatches(setup)
-    return count if setup.pp_schedule in ALL_IN_FLIGHT else min(count, setup.pp_size)
+    if setup.pp_schedule in ALL_IN_FLIGHT:
+        return count
+    if pp_rank is not None and setup.pp_schedule == "1f1b":
+        return min(count, setup.pp_size - pp_rank)
+    return min(count, setup.pp_size)
+
+
+def outer_elements_not_saved(shape: ModelShape, setup: Setup, pp_rank: int) -> float:
+    """Elements per token of the whole model's outside-the-layers activations
+    (:func:`~trainer_ext.estimate.activations.outer_elements`) that rank ``pp_rank`` does not save: a rank without
+    the last stage has no final norm, head or loss; it keeps the rotary tables it computes (cos and sin per
+    position, ``2 * head_dim``) and, on the first stage, the token ids (int64, 2 elements of 4 bytes). Measured on
+    gloo ranks, tiny-llama-untied at pp 2: the first stage's outside terms are ``2 * head_dim + 2`` to the element.
+    The last stage keeps the whole model's (within 50 elements per token of it, on the safe side)."""
+    from trainer_ext.estimate.activations import outer_elements
+
+    stages = stage_ids(setup.pp_schedule, pp_rank, setup.pp_size)
+    if setup.pp_size * stages_per_rank(setup.pp_schedule) - 1 in stages:
+        return 0.0
+    kept = 2 * shape.head_dim + (2 if 0 in stages else 0)
+    return max(outer_elements(shape, setup.cp_size) - kept, 0.0)
 
 
 def bubble(setup: Setup) -> float:
