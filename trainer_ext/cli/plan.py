@@ -5,6 +5,7 @@ docs/parallelism.md, "Choosing a layout"."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -188,6 +189,10 @@ def verify(plan: Any, top: int, quiet: bool = False) -> tuple[int, list[dict[str
         layout = candidate.layout
         argv = [*_without_layout(plan.train_argv), *_layout_flags(layout, values, checkpointing_flag())]
         say(f"{number}. {layout.name()}")
+        if layout.family.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+            say("   skipped: deepspeed is not installed (pip install 'deepspeed>=0.16')")
+            results.append({"layout": layout.name(), "skipped": "deepspeed is not installed"})
+            continue
         try:
             measured = measure_layout(argv, layout.world, setup=candidate.setup)
         except RuntimeError as error:
