@@ -43,7 +43,7 @@ class Plan:
     global_batch: int
     ranked: list[Candidate]
     refused: dict[str, str] = field(default_factory=dict)  # "tp 8" -> why the model refuses it
-    unfit: int = 0  # layouts enumerated that do not fit
+    tried: int = 0  # layouts enumerated (sizes and family; each tried with and without checkpointing)
     train_argv: list[str] = field(default_factory=list)
 
     @property
@@ -159,12 +159,12 @@ def make_plan(train_argv: Sequence[str], cluster: Cluster, global_batch: int | N
             if global_batch % layout.data_parallel:
                 continue
             per_rank = global_batch // layout.data_parallel
+            plan.tried += 1
             for checkpointing in (False, True):
                 sized = _fit(
                     layout.replace(checkpointing=checkpointing), per_rank, fits, limit, user.micro_batch, bool(host)
                 )
                 if sized is None:
-                    plan.unfit += 1
                     continue
                 setup = candidate_setup(base, sized, seq_len, device)
                 memory = estimate(job.shape, setup)

@@ -109,7 +109,7 @@ def format_plan(plan: Plan, top: int = 3) -> str:
         f"{shape.heads} heads ({shape.kv_heads} kv); sequence {plan.job.setup.seq_len}, global batch "
         f"{plan.global_batch}",
         f"cluster: {cluster.describe()}",
-        f"layouts that fit: {len(plan.ranked)} (of {len(plan.ranked) + plan.unfit} tried)",
+        f"layouts that fit: {len(plan.ranked)} of {plan.tried}",
     ]
     for number, candidate in enumerate(plan.ranked[:top], 1):
         lines.append("")
