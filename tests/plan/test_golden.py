@@ -146,3 +146,18 @@ def test_the_json_plan_holds_the_top_layouts_with_their_commands(folders, capsys
     assert first["memory"]["peak"] <= 24 * GIB * HEADROOM
     assert first["micro_batch"] * first["gradient_accumulation_steps"] * 4 // first["sizes"]["tp"] == 32
     assert first["reasons"] and first["step_seconds"]["total"] > 0
+
+
+def test_llama_8b_over_slow_ethernet_pipelines_across_machines_and_splits_layers_within(jobs) -> None:
+    """Four machines of 8 joined by 25 GbE (3 GB/s, 100 times slower than NVLink): any data-parallel layout sends
+    gradients (or FSDP's gathers) of gigabytes across machines every step, longer than the step's compute. A pipeline
+    across the machines sends only each microbatch's activations between stages, and tensor parallelism keeps the
+    per-layer traffic on NVLink within each machine, so the pipeline and TP together spend less time on the slow
+    link than the best data-parallel layout."""
+    plan = _plan(jobs, "8b", Cluster(4, 8, 80 * GIB, "nvlink", "ethernet"), 32)
+    first = plan.ranked[0]
+    assert first.layout.pp > 1 and first.layout.tp > 1, first.layout
+    assert first.layout.tp * first.layout.cp * first.layout.pp > 8  # the pipeline spans machines
+    data_parallel = [c for c in plan.ranked if (c.layout.tp, c.layout.cp, c.layout.pp) == (1, 1, 1)]
+    assert data_parallel and data_parallel[0].timing.score > first.timing.score
+    assert data_parallel[0].timing.sent["ethernet"] > first.timing.sent["ethernet"]
