@@ -68,18 +68,22 @@ def _states(shape: ModelShape, setup: Setup) -> tuple[float, float, float, float
         # in place, but it tests `partition.device == self.device` against a device name (a str), never equal to a
         # torch.device: it clones them (measured on gloo ranks, weights 2 x 4P/W)
         master = 4 * p / w if stage >= 1 else (4 * p if mixed else 0.0)
-        grads = md * t if stage <= 1 else md * t / w
-        if stage == 2:
-            # ZeRO-2's reduced-gradient buffer holds every parameter that overlaps the rank's partition whole, the
-            # ones across its two ends too: about one largest tensor more (ZeRO-3 splits each parameter; measured
-            # on 2 and 4 gloo ranks, tiny-llama: the busiest rank within 4 %, without this 18 % under)
-            grads += md * min(max(shape.vocab, shape.intermediate) * shape.hidden, t - t / w)
-        if stage >= 1:
-            # the step flattens the rank's reduced gradient partition into an fp32 tensor for the optimizer while the
-            # partition buffer lives on (stage_1_and_2's step, stage 3's _prepare_fp32_grad_for_sub_group): one
-            # parameter group at a time (the decayed group, nearly all of it), at most sub_group_size elements under
-            # ZeRO-3. Measured on gloo ranks inside the optimizer step: gradients 2 x 4T/W in fp32
-            grads += 4 * (min(t / w, setup.sub_group_size) if stage >= 3 else t / w)
+        if stage == 0:
+            grads = md * t
+        else:
+            # in the step, stages 1-3 hold the rank's reduced gradient partition and the fp32 copy the step
+            # flattens it into for the optimizer (stage_1_and_2's step, stage 3's _prepare_fp32_grad_for_sub_group):
+            # one parameter group at a time (the decayed group, nearly all of it), at most sub_group_size elements
+            # under ZeRO-3. Measured on 2 and 4 gloo ranks inside the step
+            grads = md * t / w + 4 * (min(t / w, setup.sub_group_size) if stage >= 3 else t / w)
+            if stage <= 2:
+                # ZeRO-1/2's buffer holds every parameter that overlaps the rank's partition whole, the ones across
+                # its two ends too: about one largest tensor more (ZeRO-3 splits each parameter; tiny-llama, the
+                # busiest rank within 4 %, without this 18 % under on 4 ranks)
+                grads += md * min(max(shape.vocab, shape.intermediate) * shape.hidden, t - t / w)
+            if stage == 1:
+                # ZeRO-1 reduces after backward (reduce_gradients, without overlap_comm): whole gradients until then
+                grads = max(grads, md * t)
         optim = ob * t / w if stage >= 1 else ob * t
         offloaded = 0.0
         if setup.offload_optimizer:

@@ -3,9 +3,10 @@
 :class:`MeasureCallback` rides along a real ``train`` run of the same job. Over every micro-batch it counts the
 storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``; parameters and their gathered copies
 excluded, each storage once, the most held at once); before the second optimizer step (under DeepSpeed, which steps
-inside backward, when its torch optimizer is called), when gradients and optimizer states all exist, it sorts the
-tensors the rank holds into weights (the local parameters, their shards or partitions, and any master copies the
-optimizer steps), optimizer states and gradients, each storage once.
+inside backward: before ZeRO-1 reduces its gradients and when its torch optimizer steps, the larger count per kind),
+when gradients and optimizer states all exist, it sorts the tensors the rank holds into weights (the local
+parameters, their shards or partitions, and any master copies the optimizer steps), optimizer states and gradients,
+each storage once.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def held_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     return counter.bytes
 
 
+def _unhook(target: Any, name: str, hook: Any) -> None:
+    if target.__dict__.get(name) is hook:
+        delattr(target, name)
+
+
 class _Saved:
     """One tensor saved for backward, held by the graph in its place: released (``__del__``) when the graph frees it,
     after its backward."""
@@ -201,7 +207,7 @@ class MeasureCallback(TrainerCallback):
         self.activations = 0
         self.weight_copies = 0
         self.held: dict[str, int] | None = None  # counted inside the optimizer's step (DeepSpeed), else None
-        self._unhook: Any = None
+        self._unhooks: list[Any] = []  # removes the step hooks still in place
 
     def _start(self) -> None:
         if not self.active:
@@ -217,35 +223,35 @@ class MeasureCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._start()
-        if state.global_step == MEASURED_STEP and model is not None and self._unhook is None and self.held is None:
-            self._hook_inner_step(model, optimizer)
+        if state.global_step == MEASURED_STEP and model is not None and not self._unhooks and self.held is None:
+            self._hook_steps(model, optimizer)
 
-    def _hook_inner_step(self, model: torch.nn.Module, optimizer: Any) -> None:
-        """Count the held tensors when the innermost torch optimizer steps, once. DeepSpeed steps inside backward,
-        before ``on_pre_optimizer_step``, and ZeRO-1/2 free their gradient partitions right after: only then do
-        gradients and optimizer states all exist (the other strategies step after the callback; it counts there)."""
-        inner = [o for o in optimizer_chain(optimizer) if isinstance(o, torch.optim.Optimizer)]
-        if not inner:
-            return
-        target = inner[-1]
-        original = target.step
+    def _hook_steps(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """Count the held tensors when each optimizer the outer one wraps steps, and before a ZeRO optimizer reduces
+        its gradients (once each), keeping the largest count per kind. DeepSpeed steps inside backward, before
+        ``on_pre_optimizer_step``: ZeRO-1 holds whole gradients when backward ends (``reduce_gradients`` then cuts
+        them to the rank's partition), its torch optimizer steps once they are reduced and flattened into an fp32
+        copy, and ZeRO-1/2 free them all right after. The other strategies step after the callback, which counts for
+        them (and removes these hooks first)."""
+        for target in optimizer_chain(optimizer)[1:]:
+            for name in ("step", "reduce_gradients"):
+                original = getattr(target, name, None)
+                if callable(original):
+                    self._hook(target, name, original, model, optimizer)
 
-        def step(*step_args: Any, **step_kwargs: Any) -> Any:
-            self._unhook_step()
-            self.held = held_bytes(model, optimizer)
-            return original(*step_args, **step_kwargs)
+    def _hook(self, target: Any, name: str, original: Any, model: torch.nn.Module, optimizer: Any) -> None:
+        def counted(*call_args: Any, **call_kwargs: Any) -> Any:
+            _unhook(target, name, counted)  # once
+            held = held_bytes(model, optimizer)
+            self.held = {k: max(v, (self.held or {}).get(k, 0)) for k, v in held.items()}
+            return original(*call_args, **call_kwargs)
 
-        def unhook() -> None:
-            if target.__dict__.get("step") is step:
-                del target.step
+        setattr(target, name, counted)
+        self._unhooks.append(lambda: _unhook(target, name, counted))
 
-        target.step = step
-        self._unhook = unhook
-
-    def _unhook_step(self) -> None:
-        if self._unhook is not None:
-            self._unhook()
-            self._unhook = None
+    def _unhook_steps(self) -> None:
+        while self._unhooks:
+            self._unhooks.pop()()
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._record()  # one micro-batch done: its saved tensors were freed by its backward
@@ -255,7 +261,7 @@ class MeasureCallback(TrainerCallback):
         self._record()
         if state.global_step != MEASURED_STEP or model is None:
             return
-        self._unhook_step()
+        self._unhook_steps()
         held = self.held if self.held is not None else held_bytes(model, optimizer)
         result = {
             "weights": held.get("weights", 0),
@@ -274,4 +280,4 @@ class MeasureCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._record()
-        self._unhook_step()
+        self._unhook_steps()
