@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import argparse
 import errno
-import glob
 import json
 import os
 import shutil
 import stat
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_ext import env_vars
 from trainer_ext.errors import ConfigError
 from trainer_ext.values import format_size
 
@@ -80,27 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(train_argv: Sequence[str], num_processes: int, timeout: float | None = None) -> dict[str, Any]:
     """Run the job for two optimizer steps on ``num_processes`` local ranks; the largest value of each key."""
+    from trainer_ext.estimate.worker import launch_ranks, output_tail
+
     out_dir = tempfile.mkdtemp(prefix="trainer-ext-estimate-")
     try:
-        env = {k: v for k, v in os.environ.items() if k not in env_vars.TORCHRUN_VARS}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={num_processes}",
-            "--max_restarts=0",
-            "-m",
-            WORKER,
-            out_dir,
-            *train_argv,
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        ranks = [json.load(open(p, encoding="utf-8")) for p in sorted(glob.glob(os.path.join(out_dir, "rank*.json")))]
+        proc, ranks = launch_ranks(WORKER, train_argv, num_processes, out_dir, timeout)
         if proc.returncode != 0 or len(ranks) != num_processes:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-            raise RuntimeError(f"the measuring run failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"the measuring run failed (exit {proc.returncode}):\n{output_tail(proc)}")
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = {key for rank in ranks for key in rank}

@@ -29,23 +29,6 @@ from trainer_ext import env_vars
 from trainer_ext.errors import ConfigError
 
 AUTO = "auto"
-# the train flags the plan's layout sets; the job's own are dropped, except the words that fix a part of the layout
-CHOSEN = (
-    "fsdp",
-    "deepspeed",
-    "dp_replicate_size",
-    "dp_shard_size",
-    "tp_size",
-    "cp_size",
-    "pp_size",
-    "pp_schedule",
-    "pp_microbatches",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "gradient_checkpointing",
-    "activation_checkpointing",
-)
-CHECKPOINTING = ("gradient_checkpointing", "activation_checkpointing")
 
 
 @dataclass
@@ -99,7 +82,7 @@ def resolve(argv: Sequence[str], cluster: Any, more_processes: str = "--nproc_pe
     what would (``more_processes``: the flag that asks for more processes where the run is started)."""
     from trainer_ext.estimate.fit import checkpointing_flag
     from trainer_ext.job.flags import parse_train_values
-    from trainer_ext.plan.layouts import drop_flags
+    from trainer_ext.plan.layouts import PLANNED_FLAGS, drop_flags
     from trainer_ext.plan.planner import make_plan, smallest_change
 
     argv = list(argv)
@@ -124,7 +107,7 @@ def resolve(argv: Sequence[str], cluster: Any, more_processes: str = "--nproc_pe
         )
     layout = ranked[0].layout
     flags = _layout_flags(layout, values, checkpointing_flag())
-    kept = drop_flags(argv, {name for name in CHOSEN if not _fixed_by_user(name, values, layout)})
+    kept = drop_flags(argv, {name for name in PLANNED_FLAGS if not _fixed_by_user(name, values, layout)})
     which = f"first of the {len(ranked)} planned layouts" if len(ranked) > 1 else "the one planned layout"
     text = f"{layout.name()} ({which} that fit{'s' * (len(ranked) == 1)} {where})"
     return Resolved([*kept, *flags], flags, text, layout)
@@ -175,7 +158,9 @@ def _deepspeed_file(relative: str) -> str | None:
 
 
 def _checkpointing_on(values: Mapping[str, Any]) -> str | None:
-    return next((name for name in CHECKPOINTING if truthy(values.get(name))), None)
+    from trainer_ext.plan.layouts import CHECKPOINTING_FLAGS
+
+    return next((name for name in CHECKPOINTING_FLAGS if truthy(values.get(name))), None)
 
 
 def truthy(value: Any) -> bool:

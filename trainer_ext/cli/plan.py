@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trainer_ext.cli.estimate import _process_count
 from trainer_ext.errors import ConfigError
 from trainer_ext.values import format_size
 
@@ -34,16 +35,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"plan: {message.removeprefix('argument ')}")
 
 
-def _positive(text: str) -> int:
-    try:
-        number = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a whole number, got {text[:40]!r}") from None
-    if not 1 <= number <= 1 << 20:
-        raise argparse.ArgumentTypeError(f"{number} must be between 1 and {1 << 20}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="trainer-ext plan",
@@ -54,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("-h", "--help", action="store_true", help="show this help and exit")
-    add("--num_machines", type=_positive, default=1, help="machines (default 1)")
-    add("--gpus_per_machine", type=_positive, default=None, help="devices (processes) on each machine")
-    add("--num_processes", type=_positive, default=None, help="processes in total (instead of --gpus_per_machine)")
+    add("--num_machines", type=_process_count, default=1, help="machines (default 1)")
+    add("--gpus_per_machine", type=_process_count, default=None, help="devices (processes) on each machine")
+    add(
+        "--num_processes", type=_process_count, default=None, help="processes in total (instead of --gpus_per_machine)"
+    )
     add("--device_memory", metavar="SIZE", help="memory of one device, e.g. 80GiB (default: this machine's GPU)")
     add(
         "--host_memory",
@@ -66,12 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--interconnect", metavar="LINKS", help="links: 'within,between' machines, e.g. nvlink,ib (default)")
     add(
         "--global_batch_size",
-        type=_positive,
+        type=_process_count,
         default=None,
         help="sequences per optimizer step (default: the "
         "job's per_device_train_batch_size x gradient_accumulation_steps x processes)",
     )
-    add("--top", type=_positive, default=3, help="layouts to print (default 3)")
+    add("--top", type=_process_count, default=3, help="layouts to print (default 3)")
     add("--cpu", action="store_true", help="plan CPU processes (gloo) instead of GPUs")
     add("--json", nargs="?", const="-", metavar="FILE", help="write the plan as JSON (to FILE, or stdout)")
     add(

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +24,31 @@ RUN_FLAGS = (
     "--validation_split_percentage=0",
     "--overwrite_output_dir=true",
 )
+
+
+def launch_ranks(
+    module: str, train_argv: Sequence[str], num_processes: int, out_dir: str, timeout: float | None = None
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run the worker ``module`` (``python -m module OUT_DIR TRAIN_FLAGS...``) on ``num_processes`` local ranks under
+    torch.distributed.run, one thread each; the finished process and each rank's ``rank{N}.json``, in rank order."""
+    from trainer_ext import env_vars
+
+    env = {k: v for k, v in os.environ.items() if k not in env_vars.TORCHRUN_VARS}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}"]
+    cmd = [*run, "--max_restarts=0", "-m", module, out_dir, *train_argv]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    paths = sorted(glob.glob(os.path.join(out_dir, "rank*.json")), key=lambda p: int(p.rsplit("rank", 1)[1][:-5]))
+    ranks = []
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            ranks.append(json.load(handle))
+    return proc, ranks
+
+
+def output_tail(proc: subprocess.CompletedProcess, lines: int = 25) -> str:
+    """The last ``lines`` lines of a finished run's output, for its error message."""
+    return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-lines:])
 
 
 def main(argv: Sequence[str]) -> int:

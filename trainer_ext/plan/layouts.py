@@ -31,6 +31,9 @@ LAYOUT_FLAGS = (
     "pp_schedule",
     "pp_microbatches",
 )
+CHECKPOINTING_FLAGS = ("gradient_checkpointing", "activation_checkpointing")
+# every train flag a plan's layout sets: the layout's own, the batch split and activation checkpointing
+PLANNED_FLAGS = (*LAYOUT_FLAGS, "per_device_train_batch_size", "gradient_accumulation_steps", *CHECKPOINTING_FLAGS)
 DEEPSPEED_FILES = {
     (1, False): "zero1.json",
     (2, False): "zero2.json",

@@ -32,10 +32,9 @@ def launch_command(candidate: Candidate, plan: Plan) -> str:
 def _without_layout(argv: list[str]) -> list[str]:
     """The job's flags without those the plan sets (sizes, --fsdp, --deepspeed, batch, checkpointing, and
     --parallelism), read as train reads them."""
-    from trainer_ext.plan.layouts import LAYOUT_FLAGS, drop_flags
+    from trainer_ext.plan.layouts import PLANNED_FLAGS, drop_flags
 
-    planned = {*LAYOUT_FLAGS, "fsdp_config", "per_device_train_batch_size", "gradient_accumulation_steps"}
-    return drop_flags(argv, planned | {"gradient_checkpointing", "activation_checkpointing", "parallelism"})
+    return drop_flags(argv, {*PLANNED_FLAGS, "fsdp_config", "parallelism"})
 
 
 def reasons(candidate: Candidate, plan: Plan) -> list[str]:

@@ -11,11 +11,9 @@ set-up traffic (parameter broadcasts, bucket rebuilding). :func:`measure_layout`
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from trainer_ext import env_vars
-from trainer_ext.estimate.worker import RUN_FLAGS
+from trainer_ext.estimate.worker import RUN_FLAGS, launch_ranks, output_tail
 
 if TYPE_CHECKING:
     from trainer_ext.estimate.setup import Setup
@@ -90,27 +88,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _launch(train_argv: Sequence[str], num_processes: int, out_dir: str, timeout: float | None) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in env_vars.TORCHRUN_VARS}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={num_processes}",
-        "--max_restarts=0",
-        "-m",
-        WORKER,
-        out_dir,
-        *train_argv,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    paths = sorted(glob.glob(os.path.join(out_dir, "rank*.json")), key=lambda p: int(p.rsplit("rank", 1)[1][:-5]))
-    ranks = [json.load(open(p, encoding="utf-8")) for p in paths]
+    proc, ranks = launch_ranks(WORKER, train_argv, num_processes, out_dir, timeout)
     if proc.returncode != 0 or len(ranks) != num_processes or not all(r.get("counted") for r in ranks):
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
         why = "" if proc.returncode else " (the run ended before its second optimizer step)"
-        raise RuntimeError(f"the measuring run failed (exit {proc.returncode}){why}:\n{tail}")
+        raise RuntimeError(f"the measuring run failed (exit {proc.returncode}){why}:\n{output_tail(proc)}")
     return ranks
 
 
