@@ -7,5 +7,7 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parent
 SENTIMENT = DATA_DIR / "sentiment.jsonl"
 CORPUS = DATA_DIR / "corpus.jsonl"
+CHAT = DATA_DIR / "chat.jsonl"
+PREFERENCES = DATA_DIR / "preferences.jsonl"
 
-__all__ = ["CORPUS", "DATA_DIR", "SENTIMENT"]
+__all__ = ["CHAT", "CORPUS", "DATA_DIR", "PREFERENCES", "SENTIMENT"]
