@@ -29,11 +29,13 @@ ALLOWED = {
     "trainer": {"callbacks", "distributed", "checkpointing", "metrics", "trackers"},
     "accelerator": {"distributed", "checkpointing", "trackers"},
     "report": {"callbacks", "checkpointing"},
+    # chat data, templates, packing and the preference trainer: the sft and dpo jobs' pieces
+    "chat": {"trainer"},
     # estimate builds and runs the job to measure it; the job runs estimate's start-up memory check (lazily)
     "estimate": {"distributed", "job"},
     # plan ranks layouts with the estimator's memory and runs the job to verify them
     "plan": {"distributed", "estimate", "job"},
-    "job": {"trainer", "callbacks", "checkpointing", "distributed", "estimate", "metrics", "report"},
+    "job": {"chat", "trainer", "callbacks", "checkpointing", "distributed", "estimate", "metrics", "report"},
     "cli": {
         "job",
         "trainer",

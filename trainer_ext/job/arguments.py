@@ -14,6 +14,7 @@ from typing import Any
 from trainer_ext.distributed.mesh.config import CP_BACKENDS, PP_SCHEDULES
 from trainer_ext.errors import ConfigError
 from trainer_ext.field_types import check_field_types
+from trainer_ext.job.chat_arguments import CHAT_FINGERPRINT, CHAT_TASKS, ChatArguments
 from trainer_ext.job.fields import DATA_BUILDERS as DATA_BUILDERS
 from trainer_ext.job.fields import DEFAULT_PRESET, SHIPPED_DATA, DataArguments, ModelArguments, field_help
 from trainer_ext.job.fields import PRESETS as PRESETS
@@ -41,6 +42,8 @@ AUTO_DEFAULTS: dict[str, dict[str, Any]] = {
     "preset": dict(ddp_find_unused_parameters=False),
     "builtin": dict(save_strategy="no"),
     "builtin-causal-lm": dict(num_train_epochs=10.0),
+    "builtin-sft": dict(num_train_epochs=10.0),
+    "builtin-dpo": dict(num_train_epochs=3.0, learning_rate=5e-4),
     "scratch": dict(
         learning_rate=2e-3, per_device_train_batch_size=32, per_device_eval_batch_size=64, logging_steps=25
     ),
@@ -52,7 +55,9 @@ AUTO_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArguments, TrainingArguments):
+class TrainJobArguments(
+    ModelArguments, DataArguments, ChatArguments, LoraArguments, MetricsArguments, TrainingArguments
+):
     """Everything one job needs: model and data fields plus every TrainingArguments flag.
 
     The TrainingArguments fields redeclared below with default None are filled from AUTO_DEFAULTS, by the
@@ -216,6 +221,7 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
         self.validate_ranges()
         self.validate_model()
         self.validate_data()
+        self.validate_chat()
         self.validate_lora()
         self.validate_metrics()
         if self.lora_r:
@@ -225,7 +231,8 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
             self.model_config = DEFAULT_PRESET[self.task]
         if not (self.train_file or self.dataset_name):
             self.train_file = str(SHIPPED_DATA[self.task])
-            self.text_column = self.text_column or "text"
+            if self.task in ("sequence-classification", "causal-lm"):
+                self.text_column = self.text_column or "text"
             if self.task == "sequence-classification":
                 self.label_column = self.label_column or "label"
         layers = ["scratch" if self.from_scratch else "pretrained", "any"]
@@ -328,6 +335,8 @@ class TrainJobArguments(ModelArguments, DataArguments, LoraArguments, MetricsArg
                 values[key] = os.path.abspath(values[key])
         if self.lora_r:
             values.update(lora_r=self.lora_r, lora_target_modules=self.lora_target_modules)
+        if self.task in CHAT_TASKS:  # what the chat jobs' checkpoints were trained on
+            values.update({key: getattr(self, key) for key in CHAT_FINGERPRINT})
         return values
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer_ext.errors import ConfigError, did_you_mean
-from trainer_ext.job.builtin_data import CORPUS, SENTIMENT
+from trainer_ext.job.builtin_data import CORPUS, DATA_DIR, SENTIMENT
 from trainer_ext.job.builtin_data.checks import check_data_file
 
-TASKS = ("sequence-classification", "causal-lm")
+TASKS = ("sequence-classification", "causal-lm", "sft", "dpo")
 
 # Model configs small enough to train in seconds on a CPU; vocab_size comes from the tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -53,8 +53,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=2, n_positions=256),
 }
-DEFAULT_PRESET = {"sequence-classification": "tiny-bert", "causal-lm": "tiny-llama"}
-SHIPPED_DATA = {"sequence-classification": SENTIMENT, "causal-lm": CORPUS}
+DEFAULT_PRESET = {
+    "sequence-classification": "tiny-bert",
+    "causal-lm": "tiny-llama",
+    "sft": "tiny-llama",
+    "dpo": "tiny-llama",
+}
+SHIPPED_DATA = {
+    "sequence-classification": SENTIMENT,
+    "causal-lm": CORPUS,
+    "sft": DATA_DIR / "chat.jsonl",
+    "dpo": DATA_DIR / "preferences.jsonl",
+}
 
 # `datasets` builder for each supported data-file extension.
 DATA_BUILDERS = {
@@ -94,7 +104,7 @@ class ModelArguments:
         metadata=field_help(
             f"Train from scratch from this config: a config.json path, a directory holding one, or a "
             f"preset ({', '.join(PRESETS)}). Default: {DEFAULT_PRESET['sequence-classification']} for "
-            f"sequence-classification, {DEFAULT_PRESET['causal-lm']} for causal-lm."
+            f"sequence-classification, {DEFAULT_PRESET['causal-lm']} for the others."
         ),
     )
     tokenizer_name: str | None = field(
@@ -104,7 +114,13 @@ class ModelArguments:
             "word-level tokenizer built from the training texts."
         ),
     )
-    task: str = field(default="sequence-classification", metadata=field_help(f"One of: {', '.join(TASKS)}."))
+    task: str = field(
+        default="sequence-classification",
+        metadata=field_help(
+            f"One of: {', '.join(TASKS)} (sft: supervised fine-tuning on chat, instruction or plain text data; dpo: "
+            "preference training on chosen/rejected pairs)."
+        ),
+    )
     num_labels: int | None = field(
         default=None,
         metadata=field_help("Number of classes (sequence-classification). Default: inferred from the data."),

@@ -30,6 +30,11 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
             "label_column max_seq_length max_train_samples max_eval_samples output_dir overwrite_output_dir",
         ),
         (
+            "chat jobs: --task sft and dpo",
+            "data_format column_mapping chat_template assistant_only_loss packing chat_truncation beta loss_type "
+            "reference_free simpo_gamma ref_model_name_or_path",
+        ),
+        (
             "LoRA (needs the peft extra)",
             "lora_r lora_alpha lora_dropout lora_target_modules merge_lora",
         ),

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # peft's task type for each task of ours: it decides the wrapper class, and SEQ_CLS keeps the classifier head
 # trainable and saved with the adapter (peft adds ``classifier``/``score`` to ``modules_to_save``).
-TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sft": "CAUSAL_LM", "dpo": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
 MERGED_DIR = "merged"  # under output_dir: the model with the adapters merged in (--merge_lora)
 
 

@@ -39,8 +39,13 @@ class MetricsArguments:
             raise ConfigError(
                 f"--metrics {self.metrics!r} names no metric; pass e.g. --metrics accuracy,f1, or leave it out"
             )
+        if names and self.task == "dpo":
+            raise ConfigError(
+                "--metrics applies to sequence-classification, causal-lm and sft; a dpo job logs its rewards and "
+                "accuracies itself: drop --metrics"
+            )
         for name in names or []:
-            metric_class(name, self.task)
+            metric_class(name, "causal-lm" if self.task == "sft" else self.task)
         self.metrics = names
         if self.metrics_average is None:
             return

@@ -22,9 +22,11 @@ from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.job import output_dir
 from trainer_ext.job.arguments import DEFAULT_PRESET, PRESETS, TrainJobArguments, data_builder, job_arguments_from_dict
 from trainer_ext.job.builtin_data.checks import MAX_CLASSES, bad_json_line, check_data_file, check_rows, class_count
+from trainer_ext.job.chat_arguments import CHAT_TASKS
 from trainer_ext.job.lora import MERGED_DIR, apply_lora, save_merged
 from trainer_ext.job.model_limits import check_job_config, check_model_config, load_model_config
 from trainer_ext.job.parallel import auto_parallelism
+from trainer_ext.job.trainer_checks import make_trainer, preflight
 from trainer_ext.metrics.for_trainer import TrainerMetrics, build_metrics
 
 logger = logging.getLogger(__name__)
@@ -68,7 +70,9 @@ def train(
         eval_metrics["eval_samples"] = len(tokenized["validation"])
         if classify:
             eval_metrics["eval_baseline_accuracy"] = majority_share(tokenized["validation"]["labels"])
-        elif "eval_perplexity" not in eval_metrics:  # --metrics perplexity computes it exactly, per token
+        elif (
+            "eval_perplexity" not in eval_metrics and args.task != "dpo"
+        ):  # --metrics perplexity computes it exactly, per token
             eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
@@ -93,6 +97,29 @@ def _set_up(
     with args.main_process_first(local=False, desc="loading data"):
         check_job_config(args)  # a model config out of range: one line before any data is read or model built
         raw = load_raw_datasets(args)
+    if args.task in CHAT_TASKS:
+        from trainer_ext.job.chat_job import set_up_chat
+
+        resume = output_dir.check(args)
+        trainer, tokenized = set_up_chat(args, raw, list(callbacks or []))
+    else:
+        trainer, tokenized, resume = _set_up_text_job(args, raw, callbacks)
+    preflight(trainer)
+    resume = trainer.resolve_resume(resume)  # a refused checkpoint fails here, before anything is written
+    output_dir.check_space(args, trainer)
+    if args.run_summary:  # the per-rank memory estimate, and a warning naming the fixing flags when it cannot fit
+        from trainer_ext.estimate.startup import startup_estimate
+
+        startup_estimate(trainer)
+    return trainer, tokenized, resume
+
+
+def _set_up_text_job(
+    args: TrainJobArguments, raw: datasets.DatasetDict, callbacks: Sequence[transformers.TrainerCallback] | None
+) -> tuple[transformers.Trainer, datasets.DatasetDict, str | None]:
+    """The classification and causal-lm jobs' columns, tokenizer, model, data and Trainer."""
+    from trainer_ext.trainer.trainer import Trainer
+
     text_column, label_column = resolve_columns(args, raw)
     args.text_column, args.label_column = text_column, label_column  # the job's fingerprint names the real columns
     resume = output_dir.check(args)
@@ -106,37 +133,22 @@ def _set_up(
     with args.main_process_first(desc="tokenizing"):
         tokenized = tokenize(args, raw, tokenizer, text_column, label_column, labels)
 
-    from trainer_ext.trainer.trainer import Trainer
-
     classify = args.task == "sequence-classification"
     compute_metrics = job_compute_metrics(args, labels)
     collator = (
         DataCollatorWithPadding(tokenizer) if classify else DataCollatorForLanguageModeling(tokenizer, mlm=False)
     )
-    try:
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=tokenized["train"],
-            eval_dataset=tokenized.get("validation"),
-            processing_class=tokenizer,
-            data_collator=collator,
-            compute_metrics=compute_metrics,
-            callbacks=list(callbacks or []),
-        )
-    except (ImportError, ValueError) as error:  # e.g. --report_to naming a tracker that is not installed
-        raise ConfigError(" ".join(str(error).split())) from error
-    except RuntimeError as error:
-        if "install" not in str(error):
-            raise
-        raise ConfigError(f"{' '.join(str(error).split())} (or drop the flag that needs it)") from error
-    _preflight(trainer)
-    resume = trainer.resolve_resume(resume)  # a refused checkpoint fails here, before anything is written
-    output_dir.check_space(args, trainer)
-    if args.run_summary:  # the per-rank memory estimate, and a warning naming the fixing flags when it cannot fit
-        from trainer_ext.estimate.startup import startup_estimate
-
-        startup_estimate(trainer)
+    trainer = make_trainer(
+        Trainer,
+        model=model,
+        args=args,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized.get("validation"),
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=compute_metrics,
+        callbacks=list(callbacks or []),
+    )
     return trainer, tokenized, resume
 
 
@@ -162,25 +174,6 @@ def _saves_final_model(trainer: transformers.Trainer) -> bool:
     duty = getattr(trainer.callback_handler, "duty", None)
     callback = duty(UnwrapAndSaveCallback) if duty is not None else None
     return callback is not None and callback.save_final and callback.final_dir is None
-
-
-def _preflight(trainer: transformers.Trainer) -> None:
-    """Build what training builds late (optimizer, a throwaway scheduler, the loaders) so that a bad
-    --optim, --lr_scheduler_kwargs or eval setting fails now, before anything is written."""
-    import torch
-
-    try:
-        trainer.create_optimizer()
-        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=trainer.args.learning_rate or 1.0)
-        transformers.get_scheduler(
-            trainer.args.lr_scheduler_type,
-            probe,
-            num_warmup_steps=0,
-            num_training_steps=max(trainer.args.max_steps, 1),
-            scheduler_specific_kwargs=trainer.args.lr_scheduler_kwargs or {},
-        )
-    except (ImportError, ValueError, TypeError, KeyError) as error:
-        raise ConfigError(" ".join(str(error).split())) from error
 
 
 def _as_job_arguments(args: TrainJobArguments | Mapping[str, Any] | Sequence[str]) -> TrainJobArguments:
@@ -220,14 +213,19 @@ def load_raw_datasets(args: TrainJobArguments) -> datasets.DatasetDict:
     if "train" not in raw:
         raise ConfigError(f"{args.dataset_name!r} has no 'train' split; its splits: {', '.join(raw)}")
     raw = datasets.DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
-    text_column, label_column = resolve_columns(args, raw)  # rows are checked before a split shuffles them
     sources = {
         split: f"{args.dataset_name!r} ({split} split)"
         if args.dataset_name
         else repr(args.data_files()[f"{split}_file"])
         for split in raw
     }
-    check_rows(raw, sources, text_column, label_column, args.num_labels)
+    if args.task in CHAT_TASKS:  # rows are checked before a split shuffles them
+        from trainer_ext.job.chat_job import chat_rows
+
+        raw = chat_rows(args, raw, sources)
+    else:
+        text_column, label_column = resolve_columns(args, raw)
+        check_rows(raw, sources, text_column, label_column, args.num_labels)
     if "validation" not in raw and args.validation_split_percentage > 0:
         try:
             parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
@@ -459,7 +457,8 @@ def job_compute_metrics(args: TrainJobArguments, labels: list[str] | None) -> Tr
     if not names:
         return None
     try:
-        metrics = build_metrics(args.task, names, num_classes=len(labels or []), average=args.metrics_average)
+        task = "causal-lm" if args.task == "sft" else args.task  # an SFT job's metrics are a causal LM's
+        metrics = build_metrics(task, names, num_classes=len(labels or []), average=args.metrics_average)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if labels and len(labels) > 2 and any(getattr(m, "average", None) == "binary" for m in metrics):

@@ -1,0 +1,1 @@
+"""Chat fine-tuning: data formats, chat templates, assistant-only labels, packing and preference training."""

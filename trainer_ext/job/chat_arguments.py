@@ -1,0 +1,155 @@
+"""The flags of the chat jobs (``--task sft``, ``--task dpo``): data format, chat template, packing, preference loss.
+
+Checked here, before torch or the data are read; the data-dependent checks (columns, rows, templates) run in
+``trainer_ext.job.chat_job``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trainer_ext.errors import ConfigError, did_you_mean
+from trainer_ext.job.fields import field_help
+
+CHAT_TASKS = ("sft", "dpo")
+DATA_FORMATS = ("auto", "messages", "prompt-completion", "alpaca", "text", "preference")
+BUILTIN_TEMPLATE_NAMES = ("chatml", "llama-3", "mistral", "qwen")
+TRUNCATIONS = ("turns", "drop", "error", "cut")
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+# the chat fields that decide what a checkpoint was trained on: a resume with other values is another job
+CHAT_FINGERPRINT = ("data_format", "column_mapping", "chat_template", "assistant_only_loss", "packing", "loss_type")
+
+
+@dataclass
+class ChatArguments:
+    """Chat supervised fine-tuning and preference training from local chat, instruction or preference data."""
+
+    data_format: str = field(
+        default="auto",
+        metadata={
+            **field_help(
+                "sft/dpo data format: messages (role/content lists; ShareGPT conversations with from/value too), "
+                "prompt-completion, alpaca (instruction/input/output), text (continued pre-training) or preference "
+                "(prompt/chosen/rejected). auto: told by the columns."
+            ),
+            "choices": list(DATA_FORMATS),
+        },
+    )
+    column_mapping: str | None = field(
+        default=None,
+        metadata=field_help(
+            "sft/dpo: the data's own column names for the format's columns, as name=column pairs, comma-separated, "
+            "e.g. prompt=question,completion=answer or messages=conversations."
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=field_help(
+            f"sft/dpo: the chat template: a built-in ({', '.join(BUILTIN_TEMPLATE_NAMES)}) or a .jinja file. "
+            "Default: the tokenizer's own, else chatml."
+        ),
+    )
+    assistant_only_loss: bool = field(
+        default=True,
+        metadata=field_help(
+            "sft: train on the assistant turns (or the completion) only; the other tokens get label -100. false: on "
+            "every token."
+        ),
+    )
+    packing: bool = field(
+        default=False,
+        metadata=field_help(
+            "sft: pack examples into blocks of --max_seq_length tokens; documents never attend to each other "
+            "(position_ids restart at 0 for each, a block-causal mask)."
+        ),
+    )
+    chat_truncation: str = field(
+        default="turns",
+        metadata={
+            **field_help(
+                "sft: a conversation longer than --max_seq_length: turns (keep its first whole turns, up to an "
+                "assistant turn), drop (leave it out), error (stop, naming it) or cut (cut it at the limit). Each "
+                "run says how many it touched."
+            ),
+            "choices": list(TRUNCATIONS),
+        },
+    )
+    beta: float = field(
+        default=0.1,
+        metadata=field_help("dpo: how far the policy may move from the reference (higher: closer). Default: 0.1."),
+    )
+    loss_type: str = field(
+        default="sigmoid",
+        metadata={
+            **field_help(
+                "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: reference-free, length-normalised, with "
+                "--simpo_gamma)."
+            ),
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    reference_free: bool = field(
+        default=False,
+        metadata=field_help("dpo: no reference model (its log-probabilities taken as 0): half the forward passes."),
+    )
+    simpo_gamma: float = field(
+        default=0.5, metadata=field_help("dpo with --loss_type simpo: the target reward margin. Default: 0.5.")
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata=field_help(
+            "dpo: the reference model (a directory or hub id). Default: a frozen copy of the initial model; with "
+            "--lora_r, the model with its adapters switched off."
+        ),
+    )
+
+    def validate_chat(self) -> None:
+        """Check the chat flags against the task (already normalised); raise ConfigError on bad input."""
+        chat = self.task in CHAT_TASKS
+        self.data_format = _choice("data_format", self.data_format, DATA_FORMATS)
+        self.chat_truncation = _choice("chat_truncation", self.chat_truncation, TRUNCATIONS)
+        self.loss_type = _choice("loss_type", self.loss_type, LOSS_TYPES)
+        if not chat:
+            given = [f for f in ("column_mapping", "chat_template", "ref_model_name_or_path") if getattr(self, f)]
+            given += ["data_format"] * (self.data_format != "auto") + ["packing"] * self.packing
+            if given:
+                raise ConfigError(
+                    f"--{given[0]} applies to --task sft or dpo, not {self.task}; pass --task sft (or dpo), or drop it"
+                )
+            return
+        if self.task == "dpo" and self.data_format not in ("auto", "preference"):
+            raise ConfigError(
+                f"--task dpo trains on preference pairs (prompt/chosen/rejected), not --data_format "
+                f"{self.data_format}; pass --data_format preference or auto"
+            )
+        if self.task == "sft" and self.data_format == "preference":
+            raise ConfigError(
+                "--data_format preference is for --task dpo; for sft pass messages, prompt-completion, alpaca or text"
+            )
+        if self.task == "dpo" and self.packing:
+            raise ConfigError("--packing applies to --task sft; drop it for dpo")
+        if self.beta <= 0:
+            raise ConfigError(f"--beta must be more than 0, got {self.beta}")
+        template = self.chat_template
+        if template and template not in BUILTIN_TEMPLATE_NAMES:
+            if template.endswith((".jinja", ".j2")) or os.sep in template:
+                if not os.path.isfile(os.path.expanduser(template)):
+                    raise ConfigError(f"--chat_template {template!r}: no such file. Check the path.")
+            else:
+                raise ConfigError(
+                    f"--chat_template {template!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATE_NAMES)}) "
+                    f"nor a .jinja file.{did_you_mean(template, BUILTIN_TEMPLATE_NAMES)}"
+                )
+        if self.loss_type == "simpo" and self.ref_model_name_or_path:
+            raise ConfigError("--loss_type simpo uses no reference model; drop --ref_model_name_or_path")
+        if self.reference_free and self.ref_model_name_or_path:
+            raise ConfigError("--reference_free and --ref_model_name_or_path both given: pass one")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` normalised (lower case, dashes) if it is one of ``choices``, else one ConfigError line."""
+    normal = str(value).strip().lower().replace("_", "-")
+    if normal not in choices:
+        raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(choices)}.{did_you_mean(normal, choices)}")
+    return normal
