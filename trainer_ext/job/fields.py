@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer_ext.errors import ConfigError, did_you_mean
-from trainer_ext.job.builtin_data import CORPUS, DATA_DIR, SENTIMENT
+from trainer_ext.job.builtin_data import CHAT, CORPUS, PREFERENCES, SENTIMENT
 from trainer_ext.job.builtin_data.checks import check_data_file
 
 TASKS = ("sequence-classification", "causal-lm", "sft", "dpo")
@@ -62,8 +62,8 @@ DEFAULT_PRESET = {
 SHIPPED_DATA = {
     "sequence-classification": SENTIMENT,
     "causal-lm": CORPUS,
-    "sft": DATA_DIR / "chat.jsonl",
-    "dpo": DATA_DIR / "preferences.jsonl",
+    "sft": CHAT,
+    "dpo": PREFERENCES,
 }
 
 # `datasets` builder for each supported data-file extension.
