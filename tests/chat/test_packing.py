@@ -238,3 +238,12 @@ def test_packing_supported_needs_an_attention_that_masks_documents():
     check_packing_supported(model)
     model.config._attn_implementation = "paged|sdpa"
     assert not packing_supported(model)
+
+
+def test_packing_supported_sees_through_a_wrapper_subclass():
+    model = _model("llama")
+    model.__class__ = type("FSDPLlamaForCausalLM", (type(model),), {})  # as FSDP2's fully_shard does
+    assert packing_supported(model)
+    opt = _model("opt")
+    opt.__class__ = type("FSDPOPTForCausalLM", (type(opt),), {})
+    assert not packing_supported(opt)

@@ -7,8 +7,11 @@ restart at 0 at every document, and the collator sends them with NO ``attention_
 documents from the position jumps (``masking_utils.find_packed_sequence_indices``) and builds a block-causal mask,
 so a token attends only to the earlier tokens of its own document, and rotary/learned positions are those of the
 document alone. The first label of every document is -100, so the last token of one document never learns to
-predict the first token of the next. A packed forward therefore equals the unpacked forwards token for token
-(tests/chat/test_packing.py); ``packing_supported`` says whether a model builds its mask that way.
+predict the first token of the next. The forward must run without a key/value cache (``use_cache=False``, which
+trainer_ext's Trainer passes for packed batches): with one, transformers skips the packed-document mask. A packed
+forward then equals the unpacked forwards token for token (tests/chat/test_packing.py); ``packing_supported`` says
+whether a model builds its mask from position_ids (most decoder-only models in transformers do; OPT, Bloom, MPT,
+gpt-oss and state-space models such as Mamba do not).
 """
 
 from __future__ import annotations
@@ -232,7 +235,9 @@ def packing_supported(model: Any) -> bool:
     if config is None or getattr(config, "_attn_implementation", None) not in _PACKED_ATTENTION:
         return False
     base = getattr(model, "base_model", model)
-    return any(_passes_positions_to_mask(type(m).__module__) for m in {type(model): model, type(base): base}.values())
+    # the module whose forward runs (an FSDP2-wrapped model is a subclass of the model's class, same forward)
+    modules = {getattr(type(m).forward, "__module__", "") for m in (model, base)}
+    return any(_passes_positions_to_mask(name) for name in modules)
 
 
 def check_packing_supported(model: Any) -> None:
