@@ -19,6 +19,7 @@ from trainer_ext.chat.formats import detect_format, parse_column_mapping, to_can
 from trainer_ext.chat.templates import BUILTIN_TEMPLATES, resolve_template, template_tokens
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.arguments import TrainJobArguments
+from trainer_ext.job.building import build_model, build_tokenizer, job_compute_metrics, word_level
 from trainer_ext.job.lora import apply_lora
 from trainer_ext.job.trainer_checks import make_trainer
 
@@ -52,11 +53,13 @@ def set_up_chat(
     """The tokenizer, model (and reference model), tokenized data and Trainer of an sft or dpo job."""
     transformers.set_seed(args.seed)  # the same initial weights for a model from scratch on every run and rank
     tokenizer, template, added = build_chat_tokenizer(args, raw["train"])
-    from trainer_ext.job.run import build_model, job_compute_metrics
-
     model = build_model(args, tokenizer, None)
     if added and args.model_name_or_path:  # the template's tokens were new to a pretrained tokenizer
         model.resize_token_embeddings(len(tokenizer))
+    if args.packing:  # documents must not see each other: the model has to build its mask from position_ids
+        from trainer_ext.chat.packing import check_packing_supported
+
+        check_packing_supported(model)
     ref_model = reference_model(args, model)
     if args.lora_r:
         model = apply_lora(args, model)
@@ -161,8 +164,6 @@ def build_chat_tokenizer(args: TrainJobArguments, train: datasets.Dataset) -> tu
     """
     conversational = _conversational(train)
     if args.tokenizer_name or args.model_name_or_path:
-        from trainer_ext.job.run import build_tokenizer
-
         tokenizer = build_tokenizer(args, [])
         if not conversational:
             return tokenizer, None, []
@@ -183,8 +184,6 @@ def scratch_tokenizer(
     args: TrainJobArguments, train: datasets.Dataset, name: str | None
 ) -> tuple[Any, str | None, list]:
     """A word-level tokenizer for a model from scratch, its vocabulary the words of the rendered training rows."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
     bos, eos = SCRATCH_ENDS.get(name or "", ("[BOS]", "[EOS]"))
     specials = [*SCRATCH_SPECIALS.values(), *(t for t in (bos, eos) if t)]
     if name in BUILTIN_TEMPLATES:
@@ -192,36 +191,25 @@ def scratch_tokenizer(
     template = None
     texts: Iterator[str] = _row_texts(train)
     if name is not None:  # render with a throwaway tokenizer: the template's own words enter the vocabulary
-        probe = _word_level(specials, [], bos, eos, args.max_seq_length)
+        probe = _fast(word_level([], specials, SCRATCH_SPECIALS["unk_token"]), args, bos, eos, [])
         template = resolve_template(probe, name)
         probe.chat_template = template
         texts = (probe.apply_chat_template(m, tokenize=False) for m in _conversations(train))
-    backend = Tokenizer(models.WordLevel(unk_token=SCRATCH_SPECIALS["unk_token"]))
-    backend.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=16384, special_tokens=specials, show_progress=False)
-    backend.train_from_iterator((t for t in texts if t), trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        model_max_length=args.max_seq_length,
-        bos_token=bos,
-        eos_token=eos,
-        additional_special_tokens=[t for t in specials if t not in (bos, eos, *SCRATCH_SPECIALS.values())],
-        **SCRATCH_SPECIALS,
-    )
+    others = [t for t in specials if t not in (bos, eos, *SCRATCH_SPECIALS.values())]
+    tokenizer = _fast(word_level(texts, specials, SCRATCH_SPECIALS["unk_token"]), args, bos, eos, others)
     tokenizer.chat_template = template
     return tokenizer, template, []
 
 
-def _word_level(specials: list[str], texts: list[str], bos: str | None, eos: str | None, length: int) -> Any:
-    """A throwaway word-level tokenizer that knows only ``specials``: enough to render a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.WordLevel(unk_token=SCRATCH_SPECIALS["unk_token"]))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, show_progress=False))
+def _fast(backend: Any, args: TrainJobArguments, bos: str | None, eos: str | None, others: list[str]) -> Any:
+    """``backend`` as a transformers tokenizer with the job's specials."""
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, model_max_length=length, bos_token=bos, eos_token=eos, **SCRATCH_SPECIALS
+        tokenizer_object=backend,
+        model_max_length=args.max_seq_length,
+        bos_token=bos,
+        eos_token=eos,
+        additional_special_tokens=others,
+        **SCRATCH_SPECIALS,
     )
 
 
