@@ -383,7 +383,11 @@ def test_lora_reference_is_the_model_without_adapters(tmp_path: Path) -> None:
 def _run_job(out: Path) -> dict:
     trainer = _trainer(out)
     trainer.train()
-    return {key: [entry[key] for entry in _logs(trainer)] for key in ("loss", "rewards/margins", "logps/chosen")}
+    result = {key: [entry[key] for entry in _logs(trainer)] for key in ("loss", "rewards/margins", "logps/chosen")}
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # the policy is wrapped for data parallelism, the frozen reference is not
+    result["wrapped"] = [isinstance(trainer.model_wrapped, ddp), isinstance(trainer.ref_model, ddp)]
+    return result
 
 
 def test_two_ranks_match_one(tmp_path: Path) -> None:
@@ -392,6 +396,7 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
     one = _run_job(tmp_path / "one")
     run_ranks("tests.chat.test_preference", 2, str(tmp_path / "two"), timeout=600)
     two = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert one.pop("wrapped") == [False, False] and two.pop("wrapped") == [True, False]
     for key, values in one.items():
         assert two[key] == pytest.approx(values, rel=1e-5, abs=1e-7), key
 
