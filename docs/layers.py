@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, str, str]] = [
     (
         "job",
         "job/ · job/builtin_data/",
-        "train(args): flags and config files, TrainJobArguments, data, model, LoRA, output folder",
+        "train(args): flags and config files, TrainJobArguments, data, model, LoRA, sft/dpo, output folder",
     ),
     (
         "Trainer / Accelerator",
@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, str, str]] = [
 # packages beside the stack: (package, what it holds, the highest layer of the stack it imports)
 BESIDE: list[tuple[str, str, str]] = [
     ("callbacks/", "logging, barriers, NaN guard, throughput", "engine"),
+    ("chat/", "chat formats, templates, packing, DPO", "Trainer / Accelerator"),
     ("report/", "trainer-ext report: figures, page", "checkpoint I/O"),
     ("estimate/", "memory per rank before a job runs", "job"),
     ("plan/", "ranked layouts, verified by real steps", "job"),
