@@ -16,7 +16,7 @@ import datasets
 import transformers
 
 from trainer_ext.chat.formats import detect_format, parse_column_mapping, to_canonical
-from trainer_ext.chat.templates import BUILTIN_TEMPLATES, resolve_template, template_tokens
+from trainer_ext.chat.templates import BUILTIN_TEMPLATES, DEFAULT_TEMPLATE, resolve_template, template_tokens
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.arguments import TrainJobArguments
 from trainer_ext.job.building import build_model, build_tokenizer, job_compute_metrics, word_level
@@ -25,7 +25,6 @@ from trainer_ext.job.trainer_checks import make_trainer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = "chatml"
 # a from-scratch tokenizer's beginning and end tokens under each built-in template (the end closes an assistant turn)
 SCRATCH_ENDS = {
     "chatml": (None, "<|im_end|>"),
@@ -167,9 +166,11 @@ def build_chat_tokenizer(args: TrainJobArguments, train: datasets.Dataset) -> tu
         tokenizer = build_tokenizer(args, [])
         if not conversational:
             return tokenizer, None, []
+        own = getattr(tokenizer, "chat_template", None)
         template = resolve_template(tokenizer, args.chat_template)
         tokenizer.chat_template = template
-        name = args.chat_template if args.chat_template in BUILTIN_TEMPLATES else None
+        name = args.chat_template or (None if own else DEFAULT_TEMPLATE)
+        name = name if name in BUILTIN_TEMPLATES else None
         vocab = tokenizer.get_vocab()
         added = [token for token in (template_tokens(name) if name else []) if token not in vocab]
         if added:
