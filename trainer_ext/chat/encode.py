@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from trainer_ext.chat.names import TRUNCATIONS
 from trainer_ext.chat.templates import BUILTIN_TEMPLATES, assistant_mask
 from trainer_ext.errors import ConfigError
 
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRUNCATIONS = ("turns", "drop", "error", "cut")
 IGNORE = -100
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS = "kept", "truncated", "dropped_long", "dropped_no_labels"
 NOUNS = {"messages": "conversations", "prompt-completion": "prompt-completion rows", "text": "texts"}

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from trainer_ext.chat.names import FORMATS
 from trainer_ext.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     import datasets
 
-FORMATS = ("messages", "prompt-completion", "alpaca", "text", "preference")
 TASK_FORMATS = {"sft": ("messages", "prompt-completion", "alpaca", "text"), "dpo": ("preference",)}
 # canonical column names per format: required, then optional
 REQUIRED = {

@@ -23,38 +23,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer_ext.chat.encode import common_prefix_length
+from trainer_ext.chat.formats import extract_prompt as extract_prompt
+from trainer_ext.chat.names import LOSS_TYPES as LOSS_TYPES
 from trainer_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 PREFERENCE_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 IGNORE_INDEX = -100
 
 
 def _is_messages(value: Any) -> bool:
     """A list of messages (dicts with a ``role``), as TRL's ``is_conversational`` tests."""
     return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping) and "role" in value[0]
-
-
-def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
-    """The shared prefix of ``chosen`` and ``rejected`` as the prompt, and their tails (TRL's ``extract_prompt``)."""
-    idx = 0
-    for idx in range(min(len(chosen), len(rejected))):  # noqa: B007 (the index is read after the loop, as TRL)
-        if chosen[idx] != rejected[idx]:
-            if chosen[idx - 1] == " ":  # the space before a string response stays with the response
-                idx -= 1
-            break
-    return chosen[:idx], chosen[idx:], rejected[idx:]
-
-
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    length = 0
-    for token, other_token in zip(ids, other, strict=False):
-        if token != other_token:
-            break
-        length += 1
-    return length
 
 
 def _template_ids(tokenizer: Any, messages: list, template: str | None, generation_prompt: bool) -> list[int]:
@@ -119,7 +101,7 @@ def encode_preference(dataset: Any, tokenizer: Any, template: str | None, max_se
     for index, row in enumerate(_rows(dataset, source)):
         total += 1
         prompt_ids, chosen_ids, rejected_ids = _row_ids(row, index, tokenizer, template, source)
-        prompt_len = min(_common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids))
+        prompt_len = min(common_prefix_length(prompt_ids, chosen_ids), common_prefix_length(prompt_ids, rejected_ids))
         diverged += prompt_len < len(prompt_ids)
         prompt, chosen, rejected = prompt_ids[:prompt_len], chosen_ids[prompt_len:], rejected_ids[prompt_len:]
         if len(prompt) >= max_seq_length:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer_ext.chat.names import TEMPLATE_NAMES
 from trainer_ext.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ MISTRAL = r"""{%- if messages[0]['role'] == 'system' -%}
 {%- endif -%}
 {%- endfor -%}"""
 
-BUILTIN_TEMPLATES = {"chatml": CHATML, "llama-3": LLAMA_3, "mistral": MISTRAL, "qwen": QWEN}
+BUILTIN_TEMPLATES = dict(zip(TEMPLATE_NAMES, (CHATML, LLAMA_3, MISTRAL, QWEN), strict=True))
 TEMPLATE_TOKENS = {
     "chatml": ["<|im_start|>", "<|im_end|>"],
     "qwen": ["<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>"],

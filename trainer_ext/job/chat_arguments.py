@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainer_ext.chat.names import FORMATS, LOSS_TYPES, TEMPLATE_NAMES, TRUNCATIONS
 from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.job.fields import field_help
 
 CHAT_TASKS = ("sft", "dpo")
-DATA_FORMATS = ("auto", "messages", "prompt-completion", "alpaca", "text", "preference")
-BUILTIN_TEMPLATE_NAMES = ("chatml", "llama-3", "mistral", "qwen")
-TRUNCATIONS = ("turns", "drop", "error", "cut")
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+DATA_FORMATS = ("auto", *FORMATS)
 # the chat fields that decide what a checkpoint was trained on: a resume with other values is another job
 CHAT_FINGERPRINT = ("data_format", "column_mapping", "chat_template", "assistant_only_loss", "packing", "loss_type")
 
@@ -46,7 +44,7 @@ class ChatArguments:
     chat_template: str | None = field(
         default=None,
         metadata=field_help(
-            f"sft/dpo: the chat template: a built-in ({', '.join(BUILTIN_TEMPLATE_NAMES)}) or a .jinja file. "
+            f"sft/dpo: the chat template: a built-in ({', '.join(TEMPLATE_NAMES)}) or a .jinja file. "
             "Default: the tokenizer's own, else chatml."
         ),
     )
@@ -132,14 +130,14 @@ class ChatArguments:
         if self.beta <= 0:
             raise ConfigError(f"--beta must be more than 0, got {self.beta}")
         template = self.chat_template
-        if template and template not in BUILTIN_TEMPLATE_NAMES:
+        if template and template not in TEMPLATE_NAMES:
             if template.endswith((".jinja", ".j2")) or os.sep in template:
                 if not os.path.isfile(os.path.expanduser(template)):
                     raise ConfigError(f"--chat_template {template!r}: no such file. Check the path.")
             else:
                 raise ConfigError(
-                    f"--chat_template {template!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATE_NAMES)}) "
-                    f"nor a .jinja file.{did_you_mean(template, BUILTIN_TEMPLATE_NAMES)}"
+                    f"--chat_template {template!r} is neither a built-in template ({', '.join(TEMPLATE_NAMES)}) "
+                    f"nor a .jinja file.{did_you_mean(template, TEMPLATE_NAMES)}"
                 )
         if self.loss_type == "simpo" and self.ref_model_name_or_path:
             raise ConfigError("--loss_type simpo uses no reference model; drop --ref_model_name_or_path")
