@@ -10,7 +10,7 @@ training losses (and DPO's reward accuracies and margins) over 4 optimizer steps
 of training examples (rows kept, or packed blocks).
 
 Not bitwise, ~1e-7 relative: TRL 1.16's SFT loss sums its fused head's per-token log-probs, ours is the model's own
-cross-entropy; DPO's log-probs are gathered differently. Packed (``--packing true`` / ``packing=True``, bfd): the
+cross-entropy; DPO's log-prob sums come from each side's own code. Packed (``--packing true`` / ``packing=True``, bfd): the
 same blocks (tests/with_trl/test_chat_packing_parity.py), batched by TRL padding-free as one flattened row and by us
 one row per block, right-padded; both give each document its own causal mask from position_ids and average over the
 same label tokens, so the losses compare as they are.
