@@ -15,6 +15,14 @@ from trainer_ext.job.fields import field_help
 
 CHAT_TASKS = ("sft", "dpo")
 DATA_FORMATS = ("auto", *FORMATS)
+# the dpo-only flags and their defaults: another value given to another task is a mistake worth one line
+PREFERENCE_DEFAULTS = {
+    "beta": 0.1,
+    "loss_type": "sigmoid",
+    "reference_free": False,
+    "simpo_gamma": 0.5,
+    "ref_model_name_or_path": None,
+}
 # the chat fields that decide what a checkpoint was trained on: a resume with other values is another job
 CHAT_FINGERPRINT = ("data_format", "column_mapping", "chat_template", "assistant_only_loss", "packing", "loss_type")
 
@@ -74,11 +82,11 @@ class ChatArguments:
         },
     )
     beta: float = field(
-        default=0.1,
+        default=PREFERENCE_DEFAULTS["beta"],
         metadata=field_help("dpo: how far the policy may move from the reference (higher: closer). Default: 0.1."),
     )
     loss_type: str = field(
-        default="sigmoid",
+        default=PREFERENCE_DEFAULTS["loss_type"],
         metadata={
             **field_help(
                 "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: reference-free, length-normalised, with "
@@ -92,7 +100,8 @@ class ChatArguments:
         metadata=field_help("dpo: no reference model (its log-probabilities taken as 0): half the forward passes."),
     )
     simpo_gamma: float = field(
-        default=0.5, metadata=field_help("dpo with --loss_type simpo: the target reward margin. Default: 0.5.")
+        default=PREFERENCE_DEFAULTS["simpo_gamma"],
+        metadata=field_help("dpo with --loss_type simpo: the target reward margin. Default: 0.5."),
     )
     ref_model_name_or_path: str | None = field(
         default=None,
@@ -108,9 +117,16 @@ class ChatArguments:
         self.data_format = _choice("data_format", self.data_format, DATA_FORMATS)
         self.chat_truncation = _choice("chat_truncation", self.chat_truncation, TRUNCATIONS)
         self.loss_type = _choice("loss_type", self.loss_type, LOSS_TYPES)
+        preference = [name for name, default in PREFERENCE_DEFAULTS.items() if getattr(self, name) != default]
+        if preference and self.task != "dpo":
+            raise ConfigError(f"--{preference[0]} applies to --task dpo, not {self.task}; pass --task dpo, or drop it")
         if not chat:
-            given = [f for f in ("column_mapping", "chat_template", "ref_model_name_or_path") if getattr(self, f)]
-            given += ["data_format"] * (self.data_format != "auto") + ["packing"] * self.packing
+            if self.packing:
+                raise ConfigError(f"--packing applies to --task sft, not {self.task}; pass --task sft, or drop it")
+            given = [f for f in ("column_mapping", "chat_template") if getattr(self, f)]
+            given += ["data_format"] * (self.data_format != "auto")
+            given += ["assistant_only_loss"] * (not self.assistant_only_loss)
+            given += ["chat_truncation"] * (self.chat_truncation != "turns")
             if given:
                 raise ConfigError(
                     f"--{given[0]} applies to --task sft or dpo, not {self.task}; pass --task sft (or dpo), or drop it"
@@ -127,6 +143,11 @@ class ChatArguments:
             )
         if self.task == "dpo" and self.packing:
             raise ConfigError("--packing applies to --task sft; drop it for dpo")
+        if self.task == "dpo" and self.chat_truncation != "turns":
+            raise ConfigError(
+                "--chat_truncation applies to --task sft; dpo keeps each pair's prompt and cuts its answers at "
+                "--max_seq_length (saying how many): drop it"
+            )
         if self.beta <= 0:
             raise ConfigError(f"--beta must be more than 0, got {self.beta}")
         template = self.chat_template
