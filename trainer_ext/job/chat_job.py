@@ -175,7 +175,14 @@ def build_chat_tokenizer(args: TrainJobArguments, train: datasets.Dataset) -> tu
         added = [token for token in (template_tokens(name) if name else []) if token not in vocab]
         if added:
             tokenizer.add_special_tokens({"additional_special_tokens": added})
-            logger.warning("added the %s template's tokens %s to the tokenizer", name, ", ".join(added))
+            logger.warning(
+                "added the %s template's tokens %s to the tokenizer; their embeddings start untrained%s",
+                name,
+                ", ".join(added),
+                " and stay so under --lora_r (the embeddings are frozen): prefer the tokenizer's own template"
+                if args.lora_r
+                else "",
+            )
         return tokenizer, template, added
     name = args.chat_template or DEFAULT_TEMPLATE
     return scratch_tokenizer(args, train, name if conversational else None)
