@@ -135,9 +135,13 @@ def activation_bytes(shape: ModelShape, setup: Setup, batch: int, checkpointing:
 
 def transient_activation_bytes(shape: ModelShape, setup: Setup, batch: int, checkpointing: bool) -> int:
     """Short-lived activation memory at the peak, not saved for backward: the logits and their gradient around the
-    loss (compute dtype + fp32 gradient), and under checkpointing the one layer recomputed in backward."""
+    loss (compute dtype + fp32 gradient), and under checkpointing the one layer recomputed in backward. DPO's
+    reference forward (under no_grad, after the policy's) holds its logits beside the policy's and one sequence's
+    float32 log-softmax at a time; its layers' intermediates, freed layer by layer, are smaller and not counted."""
     tokens = batch * setup.local_seq_len
     out = tokens * shape.vocab * (setup.compute_bytes + 4) if shape.causal_lm else 0
+    if setup.reference_forward and shape.causal_lm:  # DPO's reference forward, the policy's logits held meanwhile
+        out = max(out, tokens * shape.vocab * 2 * setup.compute_bytes + setup.local_seq_len * shape.vocab * 4)
     if checkpointing:
         out += tokens * _per_layer(shape, setup, False) * setup.compute_bytes
         if setup.cp_size > 1:  # the recomputed layer rebuilds all_gather's mask

@@ -1,7 +1,9 @@
 """Per-rank memory for one job: weights, gradients, optimizer states, activations, per strategy.
 
 ``total`` is what a rank holds at the step (tensors plus bytes saved for backward): the number ``--measure``
-checks. ``peak`` adds the short-lived buffers a device must also fit (gathered FSDP/ZeRO-3 units, autocast weight
+checks. A DPO job's frozen reference model is a part of its own (``reference``): whole on every rank in its own dtype
+(``ModelShape.reference_bytes``; never sharded, offloaded or cast), and a micro-batch of ``b`` pairs runs ``2b``
+sequences through the policy. ``peak`` adds the short-lived buffers a device must also fit (gathered FSDP/ZeRO-3 units, autocast weight
 copies, DDP's gradient buckets, the logits around the loss); the fit search and the start-up warning use it.
 """
 
@@ -14,7 +16,7 @@ from trainer_ext.estimate.activations import activation_bytes, transient_activat
 from trainer_ext.estimate.setup import Setup
 from trainer_ext.estimate.shape import ModelShape
 
-KEYS = ("weights", "gradients", "optimizer", "activations", "total")
+KEYS = ("weights", "gradients", "optimizer", "reference", "activations", "total")
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,11 @@ class Breakdown:
     activations_full: int
     transient: int
     offloaded: int
+    reference: int = 0  # DPO's frozen reference model's weights
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.reference + self.activations
 
     @property
     def peak(self) -> int:
@@ -112,8 +115,9 @@ def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Break
     if setup.pp_size > 1:
         return _pipeline_estimate(shape, setup, batch)
     weights, gradients, optimizer, transient, offloaded = _states(shape, setup)
-    full = activation_bytes(shape, setup, batch, checkpointing=False)
-    checkpointed = activation_bytes(shape, setup, batch, checkpointing=True)
+    rows = batch * setup.sequences  # the sequences through the model: a DPO pair's chosen and rejected
+    full = activation_bytes(shape, setup, rows, checkpointing=False)
+    checkpointed = activation_bytes(shape, setup, rows, checkpointing=True)
     return Breakdown(
         weights=int(weights),
         gradients=int(gradients),
@@ -121,8 +125,9 @@ def estimate(shape: ModelShape, setup: Setup, batch: int | None = None) -> Break
         activations=checkpointed if setup.checkpointing else full,
         activations_checkpointed=checkpointed,
         activations_full=full,
-        transient=int(transient + transient_activation_bytes(shape, setup, batch, setup.checkpointing)),
+        transient=int(transient + transient_activation_bytes(shape, setup, rows, setup.checkpointing)),
         offloaded=int(offloaded),
+        reference=shape.reference_bytes,
     )
 
 

@@ -8,6 +8,8 @@ vocabulary size from the tokenizer) under ``torch.device("meta")``: no weights a
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,23 +127,30 @@ def _config_source(args: Any) -> str:
     return f"the preset {args.model_config or 'of --task'} (as sized to the data and --max_seq_length)"
 
 
-def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
-    """The job's model on the meta device, its sequence length and notes (:func:`vocabulary_note`); ConfigError on
-    unreadable data or config."""
+def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str], int]:
+    """The job's model on the meta device, its sequence length, notes (:func:`vocabulary_note`) and the bytes of a
+    dpo job's reference model (:func:`reference_bytes`); ConfigError on unreadable data or config. An sft or dpo
+    job's tokenizer is the chat job's (:func:`_chat_tokenizer`)."""
     import transformers
 
+    from trainer_ext.job.chat_arguments import CHAT_TASKS
     from trainer_ext.job.run import build_model, build_tokenizer, label_names, load_raw_datasets, resolve_columns
 
     config = check_job_config(args)  # before the data is read or anything built
-    raw = load_raw_datasets(args)
-    text_column, label_column = resolve_columns(args, raw)
-    labels = label_names(args, raw, label_column) if label_column else None
-    tokenizer = build_tokenizer(args, raw["train"][text_column])
-    notes = [note] if (note := vocabulary_note(args, tokenizer)) else []
-    lengths = None
-    if labels:
-        texts = sample_column(raw["train"], text_column)
-        lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=args.max_seq_length)["input_ids"]]
+    raw = load_raw_datasets(args)  # a chat task's rows in their canonical form
+    labels, lengths, notes = None, None, []
+    if args.task in CHAT_TASKS:
+        tokenizer, grown = _chat_tokenizer(args, raw["train"], config)
+        notes += [grown] if grown else []
+    else:
+        text_column, label_column = resolve_columns(args, raw)
+        labels = label_names(args, raw, label_column) if label_column else None
+        tokenizer = build_tokenizer(args, raw["train"][text_column])
+        if labels:
+            texts = sample_column(raw["train"], text_column)
+            tokens = tokenizer(texts, truncation=True, max_length=args.max_seq_length)["input_ids"]
+            lengths = [len(ids) for ids in tokens]
+    notes += [note] if (note := vocabulary_note(args, tokenizer)) else []
     with torch.device("meta"):
         if args.model_name_or_path:  # the config only: weights are never read
             auto = transformers.AutoModelForSequenceClassification if labels else transformers.AutoModelForCausalLM
@@ -152,11 +161,60 @@ def build_meta_model(args: Any) -> tuple[torch.nn.Module, int, list[str]]:
         else:
             model = build_model(args, tokenizer, labels)
             check_model_config(model.config, _config_source(args))  # sized to the tokenizer and the labels
+        reference = reference_bytes(args, model) if args.task == "dpo" else 0
         if args.lora_r:  # as train: only the adapters (and a classifier head) train
             from trainer_ext.job.lora import apply_lora
 
             model = apply_lora(args, model)
-    return model, sequence_length(args, lengths), notes
+    return model, sequence_length(args, lengths), notes, reference
+
+
+def _chat_tokenizer(args: Any, train: Any, config: Any) -> tuple[Any, str | None]:
+    """The sft/dpo job's tokenizer (``chat_job.build_chat_tokenizer``) and, when the template's tokens it adds grow
+    a pretrained model's vocabulary (``train`` resizes the embeddings to the tokenizer), a note saying so; the
+    config's vocabulary then grows with it (a smaller tokenizer, e.g. the one-word stand-ins of configs/estimate,
+    leaves it as it is)."""
+    from trainer_ext.job import chat_job
+
+    quiet = logging.getLogger(chat_job.__name__)  # its warning about added tokens: the note below says what counts
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        tokenizer, _, added = chat_job.build_chat_tokenizer(args, train)
+    finally:
+        quiet.setLevel(level)
+    vocab = getattr(config, "vocab_size", None) if config is not None else None
+    if not added or not isinstance(vocab, int) or len(tokenizer) <= vocab:
+        return tokenizer, None
+    config.vocab_size = len(tokenizer)
+    return tokenizer, (
+        f"the chat template's tokens {', '.join(added)} are new to the tokenizer: train adds them and grows the "
+        f"embeddings from {vocab:,} to {len(tokenizer):,} rows"
+    )
+
+
+def reference_bytes(args: Any, model: torch.nn.Module) -> int:
+    """The weights' bytes of the frozen reference a dpo job holds beside ``model`` (the meta model before LoRA),
+    as ``chat_job.reference_model`` makes it: a copy of the model, the config of ``--ref_model_name_or_path``
+    in its own dtype, or none (LoRA, ``--reference_free``, ``--loss_type simpo``)."""
+    import transformers
+
+    from trainer_ext.estimate.shape import weight_bytes
+    from trainer_ext.job.chat_job import reference_model
+
+    if args.ref_model_name_or_path and not args.reference_free and args.loss_type != "simpo":
+        path = args.ref_model_name_or_path
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+            check_model_config(config, f"--ref_model_name_or_path {path}")
+            with torch.device("meta"):
+                ref = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as error:
+            reason = " ".join(str(error).split())[:300]
+            raise ConfigError(f"could not read the config of --ref_model_name_or_path {path!r}: {reason}") from error
+        return weight_bytes(ref)
+    ref = reference_model(args, model)  # a meta copy: no memory
+    return weight_bytes(ref) if ref is not None else 0
 
 
 def parallel_sizes(values: dict[str, Any], num_processes: int | None) -> tuple[Any, int]:
@@ -226,7 +284,7 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
 
         notes += check_cp_job(vars(args), config.cp_size)  # the task, before the data is read
         check_pp_job(vars(args), config.pp_size)
-    model, seq_len, built_notes = build_meta_model(args)
+    model, seq_len, built_notes, reference = build_meta_model(args)
     notes += built_notes
     if config is not None and config.tp_size > 1:
         check_tp_model(model, config.tp_size, "the model", vocab=bool(args.model_name_or_path))
@@ -261,6 +319,7 @@ def job_from_argv(argv: Sequence[str], num_processes: int | None = None) -> Job:
             )
     setup = setup_from_values(filled, num_processes, seq_len, device_type=device)
     shape = ModelShape.from_model(model)
+    shape = dataclasses.replace(shape, reference_bytes=reference)
     if setup.pp_size > 1:
         from trainer_ext.estimate.pipeline import describe as pipeline_text
 

@@ -6,7 +6,7 @@ excluded, each storage once, the most held at once); before the second optimizer
 inside backward: before ZeRO-1 reduces its gradients and when its torch optimizer steps, the larger count per kind),
 when gradients and optimizer states all exist, it sorts the tensors the rank holds into weights (the local
 parameters, their shards or partitions, and any master copies the optimizer steps), optimizer states and gradients,
-each storage once.
+each storage once. A dpo job's reference model (:attr:`MeasureCallback.reference`) is counted on its own.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ class MeasureCallback(TrainerCallback):
         self.weight_copies = 0
         self.held: dict[str, int] | None = None  # counted inside the optimizer's step (DeepSpeed), else None
         self._unhooks: list[Any] = []  # removes the step hooks still in place
+        self.reference: torch.nn.Module | None = None  # a dpo job's frozen reference model (set by the worker)
 
     def _start(self) -> None:
         if not self.active:
@@ -270,7 +271,12 @@ class MeasureCallback(TrainerCallback):
             "activations": self.activations,
             "weight_copies": self.weight_copies,
         }
-        result["total"] = sum(result[k] for k in ("weights", "gradients", "optimizer", "activations"))
+        if self.reference is not None:  # its own storages: a copy of the initial model, or another model
+            counter = _Counter()
+            counter.add("reference", self.reference.parameters())
+            result["reference"] = counter.bytes["reference"]
+        parts = ("weights", "gradients", "optimizer", "reference", "activations")
+        result["total"] = sum(result.get(k, 0) for k in parts)
         if torch.cuda.is_available() and args.device.type == "cuda":
             result["cuda_peak"] = torch.cuda.max_memory_allocated(args.device)
         os.makedirs(self.out_dir, exist_ok=True)

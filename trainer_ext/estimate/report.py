@@ -15,6 +15,7 @@ LABELS = {
     "weights": "weights",
     "gradients": "gradients",
     "optimizer": "optimizer states",
+    "reference": "reference model",
     "activations": "activations",
     "total": "total",
 }
@@ -36,6 +37,8 @@ def format_breakdown(
         header += f"{'measured':>12}{'error':>9}"
     lines.append(header)
     for key in KEYS:
+        if key == "reference" and not est[key] and not (measured or {}).get(key):
+            continue  # no reference model (every job but full DPO)
         row = f"{indent}{LABELS[key]:<34}{format_size(est[key]):>12}"
         if measured is not None and key in measured:
             err = error_percent(est[key], measured[key])

@@ -76,6 +76,8 @@ class Setup:
     )
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # microbatches per schedule run; 0: the schedule's default (one per stage)
+    sequences: int = 1  # sequences per example of a micro-batch: 2 for DPO's pairs (chosen and rejected)
+    reference_forward: bool = False  # DPO: the reference's log-probabilities, a forward under no_grad each micro-batch
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -152,9 +154,12 @@ class Setup:
             name = " x ".join(parts) + f" (mesh {self.mesh})"
         precision = {"no": "fp32"}.get(self.precision, self.precision)
         ckpt = ", activation checkpointing" if self.checkpointing else ""
+        batch = f"{self.micro_batch}"
+        if self.sequences > 1:
+            batch += f" pair{'s' * (self.micro_batch > 1)} ({self.micro_batch * self.sequences} sequences)"
         return (
             f"{name} on {self.world_size} process{'es' if self.world_size > 1 else ''}, {precision}, micro-batch "
-            f"{self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulation}{ckpt}"
+            f"{batch} x {self.seq_len} tokens, accumulation {self.accumulation}{ckpt}"
         )
 
 
@@ -252,6 +257,9 @@ def setup_from_values(
             cp_size=cp_size, cp_backend=estimated_backend(values.get("cp_backend"), device), device_type=device
         )
     optim = values.get("optim") or "adamw_torch"
+    if values.get("task") == "dpo":  # chosen and rejected of every pair through the policy as one batch
+        reference = not values.get("reference_free") and values.get("loss_type") != "simpo"
+        options.update(sequences=2, reference_forward=reference)
     return Setup(
         strategy=strategy,
         world_size=world_size,

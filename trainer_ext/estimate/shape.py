@@ -41,6 +41,8 @@ class ModelShape:
     tp_params: int = 0
     tp_trainable: int = 0
     tp_layer_params: int = 0
+    # DPO's frozen reference model beside it: the bytes of its weights, held whole (never sharded) on every rank
+    reference_bytes: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +114,12 @@ def tp_split_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             if attr == "weight" or kind == "colwise":
                 found[id(param)] = param
     return list(found.values())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters in their own dtypes (a meta model's too), each shared tensor once."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(_numel(p) * p.element_size() for p in unique)
 
 
 def _numel(p: torch.nn.Parameter) -> int:

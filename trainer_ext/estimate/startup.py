@@ -6,6 +6,7 @@ otherwise: host memory is shared with everything else on the machine).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -15,7 +16,7 @@ from trainer_ext.estimate.fit import largest_batch, remedies
 from trainer_ext.estimate.lengths import sample_column, sequence_length
 from trainer_ext.estimate.report import format_breakdown
 from trainer_ext.estimate.setup import setup_from_values
-from trainer_ext.estimate.shape import ModelShape
+from trainer_ext.estimate.shape import ModelShape, weight_bytes
 from trainer_ext.values import format_size, parse_size
 
 logger = logging.getLogger("trainer_ext.estimate")
@@ -57,7 +58,8 @@ def setup_for(args: Any, world_size: int, seq_len: int):
     (``fsdp_plugin_args``), the DeepSpeed config as given."""
     from trainer_ext.distributed.strategies.fsdp.config import FSDPSettings
 
-    values = {name: getattr(args, name, None) for name in ("bf16", "fp16", "per_device_train_batch_size")}
+    names = ("bf16", "fp16", "per_device_train_batch_size", "task", "loss_type", "reference_free")
+    values = {name: getattr(args, name, None) for name in names}
     values.update(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         optim=getattr(args.optim, "value", args.optim),
@@ -88,6 +90,9 @@ def startup_estimate(trainer: Any) -> str | None:
     args = trainer.args
     try:
         shape = ModelShape.from_model(trainer.model)
+        reference = getattr(trainer, "ref_model", None)  # DPO's frozen reference, held whole beside the model
+        if reference is not None:
+            shape = dataclasses.replace(shape, reference_bytes=weight_bytes(reference))
         setup = setup_for(args, args.world_size, _sequence_length(args, trainer.train_dataset))
         if setup.pp_size > 1 and getattr(trainer.model, "_trainer_ext_pipeline", None) is not None:
             # already split: the model is this rank's stages, estimated as one stage's data-parallel job

@@ -11,6 +11,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer_ext.estimate.measure import MeasureCallback
 
 # appended last, so they override the job's own: two steps, nothing saved, evaluated or reported
 RUN_FLAGS = (
@@ -59,8 +63,24 @@ def main(argv: Sequence[str]) -> int:
     out_dir, train_argv = argv[0], list(argv[1:])
     run_dir = os.path.join(out_dir, "run")  # the same on every rank; the caller removes out_dir
     args = parse_train_args([*train_argv, *RUN_FLAGS, f"--output_dir={run_dir}"])
-    train(args, callbacks=[MeasureCallback(out_dir)])
+    callback = MeasureCallback(out_dir)
+    _hand_reference(callback)
+    train(args, callbacks=[callback])
     return 0
+
+
+def _hand_reference(callback: MeasureCallback) -> None:
+    """Give ``callback`` a dpo job's reference model as the job makes it (``chat_job.reference_model``, which
+    ``set_up_chat`` calls by name), so that it counts its weights: no callback argument carries it."""
+    from trainer_ext.job import chat_job
+
+    make = chat_job.reference_model
+
+    def handed(*args: Any, **kwargs: Any) -> Any:
+        callback.reference = make(*args, **kwargs)
+        return callback.reference
+
+    chat_job.reference_model = handed
 
 
 if __name__ == "__main__":
