@@ -264,8 +264,9 @@ def step_traffic(shape: ModelShape, setup: Setup) -> list[Traffic]:
     if setup.pp_size <= 1:
         out = _Steps()
         _data_parallel(out, shape, setup, max(setup.accumulation, 1))
-        _tensor_parallel(out, shape, setup, setup.micro_batch, True, True)
-        _context_parallel(out, shape, setup, setup.micro_batch)
+        rows = setup.micro_batch * setup.sequences  # a DPO pair is two sequences
+        _tensor_parallel(out, shape, setup, rows, True, True)
+        _context_parallel(out, shape, setup, rows)
         return sorted(out.traffic(), key=_order)
     from trainer_ext.estimate.pipeline import microbatches, rank_parts
 

@@ -46,7 +46,8 @@ def reasons(candidate: Candidate, plan: Plan) -> list[str]:
     share = f" ({memory.peak / cluster.device_memory:.0%})" if cluster.device_memory else ""
     found.append(
         f"memory per rank: peak {format_size(memory.peak)}{device}{share}; states {format_size(states)}, "
-        f"activations {format_size(memory.activations)}"
+        + (f"reference model {format_size(memory.reference)}, " if memory.reference else "")
+        + f"activations {format_size(memory.activations)}"
     )
     links = ", ".join(f"{format_size(int(sent))} over {link}" for link, sent in sorted(timing.sent.items()))
     found.append(

@@ -2,7 +2,8 @@
 
 compute: a token costs ``2·P`` FLOPs forward plus ``2·L·s·h`` for causal attention, backward twice the forward for
 the inputs' gradients plus ``2·T`` for the trainable weights' (``P`` parameters, ``T`` trainable, ``L`` layers, ``s``
-the sequence, ``h`` the hidden size), activation checkpointing one more forward. A data-parallel rank's tokens are
+the sequence, ``h`` the hidden size), activation checkpointing one more forward, DPO's reference model one more
+forward (a pair is two sequences). A data-parallel rank's tokens are
 split over its tensor-, context- and pipeline-parallel ranks; under a pipeline each rank also idles the bubble.
 communication: the bytes :func:`~trainer_ext.plan.comms.step_traffic` moves per collective, sent as rings
 (:func:`~trainer_ext.plan.comms.wire_bytes`) at the speed of the link the dimension's group spans. Tensor, context
@@ -59,7 +60,8 @@ def flops_per_token(shape: ModelShape, setup: Setup) -> float:
     attention = 2.0 * shape.num_layers * setup.seq_len * shape.hidden if shape.causal_lm else 0.0
     forward = 2.0 * shape.params + attention
     backward = 2.0 * shape.params + 2.0 * attention + 2.0 * shape.trainable
-    return forward * (2 if setup.checkpointing else 1) + backward
+    reference = forward if setup.reference_forward else 0.0  # DPO's reference log-probabilities: a forward more
+    return forward * (2 if setup.checkpointing else 1) + backward + reference
 
 
 def group_span(layout: Layout, dimension: str, group_size: int) -> tuple[int, int]:
@@ -81,7 +83,7 @@ def step_timing(shape: ModelShape, setup: Setup, layout: Layout, cluster: Cluste
     """The step time of ``layout`` (its Setup ``setup``) on ``cluster``."""
     from trainer_ext.plan.comms import step_traffic, wire_bytes
 
-    tokens = setup.micro_batch * setup.accumulation * setup.seq_len  # one data-parallel rank's, per step
+    tokens = setup.micro_batch * setup.sequences * setup.accumulation * setup.seq_len  # a data-parallel rank's
     split = layout.tp * layout.cp * layout.pp
     compute = flops_per_token(shape, setup) * tokens / split / cluster.flops(setup.precision)
     bubble = 0.0
