@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 
 import pytest
 import torch
@@ -155,3 +157,31 @@ def test_measured_two_steps_agree_with_the_estimate(tmp_path, capsys, flags: lis
         assert measured["reference"] == measured["weights"]
     else:
         assert "reference" not in measured
+
+
+def _header_command(text: str) -> list[str]:
+    """The ``trainer-ext estimate`` command of a recipe's header comment, continuation lines joined."""
+    lines = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("trainer-ext estimate"))
+    command = ""
+    for line in lines[start:]:
+        command += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            break
+    return shlex.split(command)[1:]
+
+
+@pytest.mark.parametrize("name", ["sft_lora", "sft_fsdp", "dpo", "cpt_packing"])
+def test_each_recipes_estimate_command_prints_its_figures(name: str, capsys, monkeypatch) -> None:
+    text = (CONFIGS / "recipes" / f"{name}.yaml").read_text()
+    argv = _header_command(text)
+    if "--lora_r" in argv and importlib.util.find_spec("peft") is None:
+        pytest.skip("--lora_r builds the adapters: needs peft")
+    monkeypatch.chdir(CONFIGS.parent)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line[:34].strip(): line[34:].strip() for line in out.splitlines() if line.startswith("  ")}
+    peak, held = re.search(r"([0-9.]+ GiB) peak \(([0-9.]+ GiB) held", text).groups()
+    assert (rows["peak (+ transient buffers)"], rows["total"]) == (peak, held), out
+    if name == "dpo":
+        assert f"{rows['reference model']} of it the reference" in " ".join(text.split())
