@@ -30,6 +30,16 @@ JOBS: dict[str, list[str]] = {
 }
 
 
+class StartedAt(TrainerCallback):
+    """Remember the optimizer step training started from (a resume starts where its checkpoint was saved)."""
+
+    step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        StartedAt.step = state.global_step
+        return control
+
+
 class StopAt(TrainerCallback):
     """Stop right after optimizer step ``step`` (its checkpoint is saved by --save_steps)."""
 
@@ -82,7 +92,8 @@ def run(name: str, base: Path, world: int, rank: int, results: Path) -> None:
     whole, resumed = base / name / "whole", base / name / "resumed"
     trainer_ext.train(flags(name, whole, world))
     trainer_ext.train(flags(name, resumed, world), callbacks=[StopAt(STOP)])
-    trainer_ext.train([*flags(name, resumed, world), "--resume_from_checkpoint", "true"])
+    trainer_ext.train([*flags(name, resumed, world), "--resume_from_checkpoint", "true"], callbacks=[StartedAt()])
+    assert StartedAt.step == STOP, f"{name}: the resumed run started at step {StartedAt.step}, not {STOP}"
     if rank == 0:
         target = results / name
         target.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,12 @@ def _run(capsys: pytest.CaptureFixture[str], out: Path, argv: list[str]) -> tupl
         (["--task", "sft", "--chat_truncation", "middle"], "'middle' is not one of turns, drop, error, cut"),
         (["--task", "causal-lm", "--column_mapping", "text=body"], "--column_mapping applies to --task sft or dpo"),
         (["--task", "dpo", "--reference_free", "--ref_model_name_or_path", "x"], "pass one"),
-        (["--task", "sft", "--column_mapping", "message=conv"], "column_mapping"),
+        (["--task", "sft", "--column_mapping", "message=conv"], "names 'message', which no format reads"),
+        (["--task", "sft", "--text_column", "body"], "--text_column applies to sequence-classification and causal-lm"),
+        (["--task", "dpo", "--num_labels", "3"], "--num_labels applies to sequence-classification and causal-lm"),
+        (["--task", "dpo", "--assistant_only_loss", "false"], "--assistant_only_loss applies to --task sft"),
+        (["--task", "dpo", "--label_smoothing_factor", "0.1"], "--label_smoothing_factor applies to token losses"),
+        (["--task", "dpo", "--simpo_gamma", "1.0"], "--simpo_gamma applies to --loss_type simpo, not sigmoid"),
     ],
 )
 def test_bad_chat_flags_exit_2_with_one_line_and_write_nothing(
@@ -98,3 +103,21 @@ def test_no_example_left_after_truncation_says_which_flag_to_change(
     assert code == 2, err
     assert "raise --max_seq_length" in err.strip().splitlines()[-1], err
     assert not out.exists()
+
+
+def test_a_resume_is_the_same_job_only_with_the_same_data_reading(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The format read (however it was told) and the truncation are part of the job: naming the detected format
+    resumes, another truncation policy is another job and is refused before anything is written."""
+    out = tmp_path / "out"
+    job = ["--task", "sft", "--max_train_samples", "16", "--validation_split_percentage", "0"]
+    job += ["--save_strategy", "steps", "--save_steps", "1"]
+    assert _run(capsys, out, [*job, "--max_steps", "1"])[0] == 0
+    again = [*job, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    code, err = _run(capsys, out, [*again, "--chat_truncation", "drop"])
+    assert code == 2 and "chat_truncation" in err, err
+    assert not (out / "checkpoint-2").exists()
+    code, err = _run(capsys, out, [*again, "--data_format", "messages"])
+    assert code == 0, err
+    assert (out / "checkpoint-2").exists()

@@ -337,6 +337,9 @@ class TrainJobArguments(
             values.update(lora_r=self.lora_r, lora_target_modules=self.lora_target_modules)
         if self.task in CHAT_TASKS:  # what the chat jobs' checkpoints were trained on
             values.update({key: getattr(self, key) for key in CHAT_FINGERPRINT})
+            for key in ("chat_template", "ref_model_name_or_path"):
+                if values[key] and os.path.exists(values[key]):
+                    values[key] = os.path.abspath(values[key])
         return values
 
 

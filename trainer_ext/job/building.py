@@ -15,6 +15,10 @@ from trainer_ext.metrics.for_trainer import TrainerMetrics, build_metrics
 
 logger = logging.getLogger(__name__)
 
+# a pretrained model's weights load in float32 whatever dtype its checkpoint was stored in (transformers would keep a
+# bf16 checkpoint in bf16): they are the optimizer's master copy, --bf16/--fp16 compute in half precision around them
+MASTER_DTYPE = "float32"
+
 # Specials of the word-level tokenizer built for models trained from scratch, in id order.
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "bos": "[BOS]", "eos": "[EOS]"}
 
@@ -61,7 +65,7 @@ def build_model(
     try:
         if args.model_name_or_path:
             model = auto.from_pretrained(
-                args.model_name_or_path, trust_remote_code=args.trust_remote_code, **label_kwargs
+                args.model_name_or_path, trust_remote_code=args.trust_remote_code, dtype=MASTER_DTYPE, **label_kwargs
             )
         else:
             config = model_config(args)

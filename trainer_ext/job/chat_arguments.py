@@ -24,7 +24,17 @@ PREFERENCE_DEFAULTS = {
     "ref_model_name_or_path": None,
 }
 # the chat fields that decide what a checkpoint was trained on: a resume with other values is another job
-CHAT_FINGERPRINT = ("data_format", "column_mapping", "chat_template", "assistant_only_loss", "packing", "loss_type")
+CHAT_FINGERPRINT = (
+    "data_format",
+    "column_mapping",
+    "chat_template",
+    "assistant_only_loss",
+    "packing",
+    "chat_truncation",
+    "loss_type",
+    "reference_free",
+    "ref_model_name_or_path",
+)
 
 
 @dataclass
@@ -132,6 +142,22 @@ class ChatArguments:
                     f"--{given[0]} applies to --task sft or dpo, not {self.task}; pass --task sft (or dpo), or drop it"
                 )
             return
+        text_flags = [
+            flag for flag in ("text_column", "label_column", "num_labels") if getattr(self, flag) is not None
+        ]
+        if text_flags:
+            raise ConfigError(
+                f"--{text_flags[0]} applies to sequence-classification and causal-lm; an {self.task} job reads its "
+                "columns by format: name yours with --column_mapping (e.g. --column_mapping prompt=question)"
+            )
+        if self.task == "dpo" and not self.assistant_only_loss:
+            raise ConfigError("--assistant_only_loss applies to --task sft; dpo scores the responses only: drop it")
+        if self.task == "dpo" and self.label_smoothing_factor:
+            raise ConfigError(
+                "--label_smoothing_factor applies to token losses, not to dpo's preference loss: drop it"
+            )
+        if self.simpo_gamma != PREFERENCE_DEFAULTS["simpo_gamma"] and self.loss_type != "simpo":
+            raise ConfigError(f"--simpo_gamma applies to --loss_type simpo, not {self.loss_type}: drop it")
         if self.task == "dpo" and self.data_format not in ("auto", "preference"):
             raise ConfigError(
                 f"--task dpo trains on preference pairs (prompt/chosen/rejected), not --data_format "

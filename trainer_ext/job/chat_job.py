@@ -19,7 +19,7 @@ from trainer_ext.chat.formats import detect_format, parse_column_mapping, to_can
 from trainer_ext.chat.templates import BUILTIN_TEMPLATES, DEFAULT_TEMPLATE, resolve_template, template_tokens
 from trainer_ext.errors import ConfigError
 from trainer_ext.job.arguments import TrainJobArguments
-from trainer_ext.job.building import build_model, build_tokenizer, job_compute_metrics, word_level
+from trainer_ext.job.building import MASTER_DTYPE, build_model, build_tokenizer, job_compute_metrics, word_level
 from trainer_ext.job.lora import apply_lora
 from trainer_ext.job.trainer_checks import make_trainer
 
@@ -39,6 +39,7 @@ def chat_rows(args: TrainJobArguments, raw: datasets.DatasetDict, sources: dict[
     """Each split's rows in the canonical form of their format (told by the columns or ``--data_format``)."""
     mapping = parse_column_mapping(args.column_mapping)
     data_format = detect_format(raw["train"].column_names, args.task, args.data_format, mapping)
+    args.data_format = data_format  # the job's fingerprint names the format read, however it was told
     if args.process_index == 0:
         logger.info("%s data: %s format", args.task, data_format)
     return datasets.DatasetDict(
@@ -59,7 +60,7 @@ def set_up_chat(
         from trainer_ext.chat.packing import check_packing_supported
 
         check_packing_supported(model)
-    ref_model = reference_model(args, model)
+    ref_model = reference_model(args, model, len(tokenizer))
     if args.lora_r:
         model = apply_lora(args, model)
     with args.main_process_first(desc="tokenizing"):
@@ -127,26 +128,30 @@ def encode(
     if len(tokenized["train"]) == 0:
         raise ConfigError(
             f"no training example is left: every row is longer than --max_seq_length {args.max_seq_length} tokens "
-            "or has no assistant turn to train on; raise --max_seq_length or pass --chat_truncation cut"
+            "even cut to its first assistant turn (see the warning above); raise --max_seq_length or pass "
+            "--chat_truncation cut"
         )
     return datasets.DatasetDict(tokenized)
 
 
-def reference_model(args: TrainJobArguments, model: transformers.PreTrainedModel) -> Any:
-    """DPO's frozen reference: ``--ref_model_name_or_path``, else a copy of the initial model; none for SimPO,
-    ``--reference_free`` or LoRA (whose reference is the model with its adapters switched off)."""
+def reference_model(args: TrainJobArguments, model: transformers.PreTrainedModel, vocab: int | None = None) -> Any:
+    """DPO's frozen reference: ``--ref_model_name_or_path`` (its embeddings grown to ``vocab`` tokens when the
+    template's tokens were added), else a copy of the initial model; none for SimPO, ``--reference_free`` or LoRA
+    (whose reference is the model with its adapters switched off)."""
     if args.task != "dpo" or args.loss_type == "simpo" or args.reference_free:
         return None
     if args.ref_model_name_or_path:
         try:
             ref = transformers.AutoModelForCausalLM.from_pretrained(
-                args.ref_model_name_or_path, trust_remote_code=args.trust_remote_code
+                args.ref_model_name_or_path, trust_remote_code=args.trust_remote_code, dtype=MASTER_DTYPE
             )
         except (OSError, ValueError) as error:
             raise ConfigError(
                 f"could not load --ref_model_name_or_path {args.ref_model_name_or_path!r}: "
                 f"{' '.join(str(error).split())[:300]}"
             ) from error
+        if vocab is not None and ref.get_input_embeddings().num_embeddings < vocab:
+            ref.resize_token_embeddings(vocab)  # the ids of the tokens the template added: as the policy's
     elif args.lora_r:
         return None
     else:
@@ -162,6 +167,10 @@ def build_chat_tokenizer(args: TrainJobArguments, train: datasets.Dataset) -> tu
     trained on the rendered conversations, each template token one token.
     """
     conversational = _conversational(train)
+    if args.chat_template and not conversational:
+        logger.warning(
+            "--chat_template %s is not used: plain-string rows are trained without a template", args.chat_template
+        )
     if args.tokenizer_name or args.model_name_or_path:
         tokenizer = build_tokenizer(args, [])
         if not conversational:
