@@ -121,13 +121,14 @@ def test_drop_error_and_cut(caplog: pytest.LogCaptureFixture) -> None:
     full = _tokenizer().apply_chat_template(_conversation(ANSWERS), chat_template=CHATML, return_dict=True)
     assert out[1]["input_ids"] == list(full["input_ids"])[: two - 2]
     assert "1 cut to" in caplog.records[-1].getMessage()
-    # a cut that leaves no answer: the row goes, counted
+    # a cut that leaves no answer: the row goes, counted as too long and dropped
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trainer_ext.chat.encode"):
         out, stats = _encode(rows, max_seq_length=one - 3, truncation="cut")
-    assert stats == {"rows_in": 2, "kept": 0, "dropped": 2, "truncated": 0, "too_long": 0} and len(out) == 0
+    assert stats == {"rows_in": 2, "kept": 0, "dropped": 2, "truncated": 0, "too_long": 2} and len(out) == 0
     assert [r.getMessage() for r in caplog.records] == [
-        "'data.jsonl': 2 of 2 conversations dropped with no tokens to learn from"
+        f"'data.jsonl': 2 of 2 conversations longer than {one - 3} tokens: 2 dropped (no label in their first "
+        f"{one - 3} tokens) (--chat_truncation cut)"
     ]
 
 

@@ -9,7 +9,8 @@
 
 Rows longer than ``max_seq_length`` follow ``truncation``: turns (the longest prefix of whole turns ending with an
 assistant turn that fits; a row with none is dropped; text is cut), drop, error (one ConfigError naming the row) or
-cut (the first ``max_seq_length`` tokens, as TRL). Rows left without a label are dropped. One warning line per call
+cut (the first ``max_seq_length`` tokens, as TRL; a row the cut leaves without a label counts as too long and
+dropped). Rows without a label are dropped. One warning line per call
 says how many rows were shortened or dropped.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from trainer_ext.chat.names import TRUNCATIONS
+from trainer_ext.chat.names import IGNORE_INDEX, TRUNCATIONS
 from trainer_ext.chat.templates import BUILTIN_TEMPLATES, assistant_mask
 from trainer_ext.errors import ConfigError
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IGNORE = -100
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS = "kept", "truncated", "dropped_long", "dropped_no_labels"
 NOUNS = {"messages": "conversations", "prompt-completion": "prompt-completion rows", "text": "texts"}
 
@@ -123,7 +123,7 @@ class _Encoder:
     def __call__(self, row: dict, index: int) -> dict[str, Any]:
         ids, mask = self._tokens(row, index)
         masked = self.assistant_only_loss and mask is not None
-        labels = [t if bit else IGNORE for t, bit in zip(ids, mask, strict=True)] if masked else list(ids)
+        labels = [t if bit else IGNORE_INDEX for t, bit in zip(ids, mask, strict=True)] if masked else list(ids)
         status, turns = KEPT, 0
         if len(ids) > self.max:
             if self.truncation == "error":
@@ -137,8 +137,10 @@ class _Encoder:
             if self.truncation == "drop" or keep == 0:
                 return {"input_ids": [], "labels": [], "_status": DROPPED_LONG, "_turns": 0}
             ids, labels, status = ids[:keep], labels[:keep], TRUNCATED
-        if all(label == IGNORE for label in labels):
-            return {"input_ids": [], "labels": [], "_status": DROPPED_NO_LABELS, "_turns": 0}
+        if all(label == IGNORE_INDEX for label in labels):
+            # a row that had labels until it was shortened is one too long, dropped (the cut left none)
+            status = DROPPED_LONG if status == TRUNCATED else DROPPED_NO_LABELS
+            return {"input_ids": [], "labels": [], "_status": status, "_turns": 0}
         return {"input_ids": ids, "labels": labels, "_status": status, "_turns": turns}
 
 
@@ -154,7 +156,8 @@ def _warning(stats: dict[str, int], turns: list[int], kind: str, max_seq_length:
         elif stats["truncated"]:
             parts.append(f"{stats['truncated']} cut to {max_seq_length} tokens")
         if dropped_long:
-            parts.append(f"{dropped_long} dropped")
+            why = f" (no label in their first {max_seq_length} tokens)" if truncation == "cut" else ""
+            parts.append(f"{dropped_long} dropped{why}")
         head = f"{stats['too_long']} of {stats['rows_in']} {NOUNS[kind]} longer than {max_seq_length} tokens: "
         text = head + ", ".join(parts) + f" (--chat_truncation {truncation})"
     else:

@@ -6,3 +6,6 @@ FORMATS = ("messages", "prompt-completion", "alpaca", "text", "preference")
 TEMPLATE_NAMES = ("chatml", "llama-3", "mistral", "qwen")
 TRUNCATIONS = ("turns", "drop", "error", "cut")
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+
+IGNORE_INDEX = -100
+"""The label of a token that is not trained on (prompts, padding, each packed document's first token)."""

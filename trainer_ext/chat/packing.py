@@ -26,10 +26,8 @@ from typing import Any
 
 import torch
 
+from trainer_ext.chat.names import IGNORE_INDEX as IGNORE_INDEX
 from trainer_ext.errors import ConfigError
-
-IGNORE_INDEX = -100
-"""The label of a token that is not trained on (padding, prompts, each document's first token in a packed row)."""
 
 TRL_CHUNK_ROWS = 1000
 """Rows packed together: TRL packs inside ``Dataset.map(batched=True)``, whose batches hold 1000 rows."""
