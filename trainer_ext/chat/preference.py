@@ -8,7 +8,10 @@ prompt and prompt + response first differ. A row without a ``prompt`` has its sh
 (TRL's ``extract_prompt``). Over-long pairs are handled as TRL by default (``truncation_mode="keep_start"``): a pair
 whose prompt alone fills ``max_seq_length`` tokens is dropped, the others keep their first ``max_seq_length``
 tokens of prompt + response. TRL cuts in its collator and drops silently; here the cut is made once, when
-encoding, and one warning line counts the pairs cut and dropped.
+encoding, and one warning line counts the pairs cut and dropped. A pair whose tokenized prompt is empty (chosen and
+rejected differ from their first token, and the tokenizer adds no bos) is dropped, with one warning line counting
+them: no logit predicts its first response token. TRL keeps such a pair, without that token in its log-probability
+but with it in IPO's length normalisation.
 
 ``chosen_input_ids`` and ``rejected_input_ids`` hold the response tokens only (TRL's ``chosen_ids`` and
 ``rejected_ids``); a sequence is ``prompt_input_ids + chosen_input_ids``.
@@ -25,25 +28,19 @@ import torch.nn.functional as F
 
 from trainer_ext.chat.encode import common_prefix_length
 from trainer_ext.chat.formats import extract_prompt as extract_prompt
+from trainer_ext.chat.names import IGNORE_INDEX as IGNORE_INDEX
 from trainer_ext.chat.names import LOSS_TYPES as LOSS_TYPES
+from trainer_ext.chat.templates import render_ids
 from trainer_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 PREFERENCE_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
-IGNORE_INDEX = -100
 
 
 def _is_messages(value: Any) -> bool:
     """A list of messages (dicts with a ``role``), as TRL's ``is_conversational`` tests."""
     return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping) and "role" in value[0]
-
-
-def _template_ids(tokenizer: Any, messages: list, template: str | None, generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, chat_template=template
-    )
-    return list(out["input_ids"])
 
 
 def _row_ids(row: Mapping, index: int, tokenizer: Any, template: str | None, source: str) -> tuple[list[int], ...]:
@@ -72,9 +69,9 @@ def _row_ids(row: Mapping, index: int, tokenizer: Any, template: str | None, sou
                 "--chat_template (chatml, llama-3, mistral, qwen or a .jinja file)"
             )
         return (
-            _template_ids(tokenizer, prompt, template, True),
-            _template_ids(tokenizer, prompt + chosen, template, False),
-            _template_ids(tokenizer, prompt + rejected, template, False),
+            render_ids(tokenizer, prompt, template, add_generation_prompt=True),
+            render_ids(tokenizer, prompt + chosen, template),
+            render_ids(tokenizer, prompt + rejected, template),
         )
     eos = tokenizer.eos_token
     if eos is None:
@@ -97,13 +94,16 @@ def encode_preference(dataset: Any, tokenizer: Any, template: str | None, max_se
     if max_seq_length < 1:
         raise ConfigError(f"max_seq_length must be at least 1 for preference pairs, got {max_seq_length}")
     columns: dict[str, list[list[int]]] = {name: [] for name in PREFERENCE_COLUMNS}
-    total = cut = dropped = diverged = 0
+    total = cut = dropped = diverged = no_prompt = 0
     for index, row in enumerate(_rows(dataset, source)):
         total += 1
         prompt_ids, chosen_ids, rejected_ids = _row_ids(row, index, tokenizer, template, source)
         prompt_len = min(common_prefix_length(prompt_ids, chosen_ids), common_prefix_length(prompt_ids, rejected_ids))
         diverged += prompt_len < len(prompt_ids)
         prompt, chosen, rejected = prompt_ids[:prompt_len], chosen_ids[prompt_len:], rejected_ids[prompt_len:]
+        if not prompt:  # nothing precedes the first response token, which no logit then predicts
+            no_prompt += 1
+            continue
         if len(prompt) >= max_seq_length:
             dropped += 1
             continue
@@ -128,10 +128,16 @@ def encode_preference(dataset: Any, tokenizer: Any, template: str | None, max_se
             f"their first {max_seq_length} tokens of prompt + response, {dropped} dropped (the prompt alone fills "
             f"{max_seq_length} tokens), as TRL's keep_start truncation; raise --max_seq_length to keep them whole"
         )
-    if dropped == total:
+    if no_prompt:
+        logger.warning(
+            f"{source}: {no_prompt} of {total} preference pairs dropped with an empty tokenized prompt (no token "
+            "precedes the response, so its first token cannot be predicted); give each pair a prompt"
+        )
+    if dropped + no_prompt == total:
         raise ConfigError(
-            f"{source}: every preference pair's prompt fills max_seq_length ({max_seq_length} tokens); raise "
-            "--max_seq_length"
+            f"{source}: no preference pair left to train on: {dropped} of {total} have a prompt that fills "
+            f"max_seq_length ({max_seq_length} tokens), raise --max_seq_length; {no_prompt} have an empty prompt, "
+            "give each pair a prompt"
         )
     return Dataset.from_dict(columns)
 
@@ -160,7 +166,10 @@ class PreferenceCollator:
 
     def __init__(self, pad_token_id: int) -> None:
         if pad_token_id is None:
-            raise ConfigError("the tokenizer has no pad token and no eos token to pad preference pairs with")
+            raise ConfigError(
+                "PreferenceCollator needs a pad_token_id to pad preference pairs with, got None; pass the "
+                "tokenizer's pad token id (or its eos token id when it has no pad token)"
+            )
         self.pad_token_id = int(pad_token_id)
 
     def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

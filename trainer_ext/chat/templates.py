@@ -139,7 +139,9 @@ def template_tokens(template_name: str | None) -> list[str]:
     return list(TEMPLATE_TOKENS.get(DEFAULT_TEMPLATE if template_name is None else template_name, []))
 
 
-def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: list, template: str, **kwargs: Any) -> list[int]:
+def render_ids(tokenizer: PreTrainedTokenizerBase, messages: list, template: str | None, **kwargs: Any) -> list[int]:
+    """The token ids of ``messages`` rendered by ``template`` (``None``: the tokenizer's own), ``kwargs`` going to
+    ``apply_chat_template`` (``add_generation_prompt``), as TRL renders them; no messages render as no ids."""
     if not messages:
         return []
     return list(
@@ -167,13 +169,13 @@ def assistant_mask(
             return_assistant_tokens_mask=True,
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
-    ids = _render_ids(tokenizer, messages, template)
+    ids = render_ids(tokenizer, messages, template)
     mask = [0] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render_ids(tokenizer, messages[:index], template, add_generation_prompt=True)
-        through = _render_ids(tokenizer, messages[: index + 1], template)
+        before = render_ids(tokenizer, messages[:index], template, add_generation_prompt=True)
+        through = render_ids(tokenizer, messages[: index + 1], template)
         if ids[: len(before)] != before or ids[: len(through)] != through:
             raise ConfigError(
                 f"the chat template cannot mark assistant turns: the conversation up to message {index} does not "
