@@ -228,6 +228,27 @@ def test_truncation_cuts_drops_and_warns_once(caplog: pytest.LogCaptureFixture) 
     assert "3 of 4 preference pairs longer than 6 tokens: 2 cut" in lines[0] and "1 dropped" in lines[0]
 
 
+def test_pairs_with_an_empty_prompt_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    tok = chat_tokenizer()  # no bos: an empty prompt tokenizes to no ids
+    rows = [
+        {"prompt": "", "chosen": "it is blue", "rejected": "it is green"},
+        {"chosen": "four", "rejected": "five"},  # no shared prefix: the extracted prompt is empty
+        {"prompt": "name a fruit", "chosen": " an apple", "rejected": " a stone"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="trainer_ext.chat.preference"):
+        out = encode_preference(rows, tok, None, MAX_LEN, "rows")
+    assert out["prompt_input_ids"] == [ids(tok, "name a fruit")]
+    lines = [r.getMessage() for r in caplog.records if "empty tokenized prompt" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("rows: 2 of 3 preference pairs dropped with an empty")
+    with pytest.raises(ConfigError, match="no preference pair left to train on: 0 of 2 .* 2 have an empty prompt"):
+        encode_preference(rows[:2], tok, None, MAX_LEN, "rows")
+
+
+def test_collator_without_a_pad_token_says_so() -> None:
+    with pytest.raises(ConfigError, match="needs a pad_token_id to pad preference pairs with, got None"):
+        PreferenceCollator(None)
+
+
 def test_collator_pads_pairs_to_one_width() -> None:
     batch = PreferenceCollator(0)(
         [
@@ -285,6 +306,43 @@ def test_training_logs_rewards_and_learns(tmp_path: Path) -> None:
     assert logs[-1]["rewards/margins"] == pytest.approx(margin, rel=1e-5)
 
 
+def test_bf16_reference_runs_in_the_policys_precision(tmp_path: Path) -> None:
+    """Under --bf16 the policy's forward runs under autocast; the reference, equal to the initial policy, must too:
+    step 1's rewards are then 0 and its loss log 2 exactly."""
+    trainer = _trainer(tmp_path, args={"bf16": True, "max_steps": 1})
+    trainer.train()
+    first = _logs(trainer)[0]
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0 and first["rewards/margins"] == 0.0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_ipo_normalises_by_the_predicted_response_tokens(tmp_path: Path) -> None:
+    """IPO's per-token average divides by the response tokens a logit predicts (labels[:, 1:]), here with a pair
+    whose response starts at position 0 (its first token is not predicted)."""
+    tok = chat_tokenizer()
+    model, ref = tiny_model(len(tok)), tiny_model(len(tok), seed=1)
+    trainer = _trainer(tmp_path, model=model, ref_model=ref, loss_type="ipo")
+    batch = PreferenceCollator(0)(
+        [
+            {"prompt_input_ids": [], "chosen_input_ids": [5, 6, 7], "rejected_input_ids": [8, 9]},
+            {"prompt_input_ids": [4, 5], "chosen_input_ids": [10], "rejected_input_ids": [11, 12, 13]},
+        ]
+    )
+    trainer.model.eval()
+    with torch.no_grad():
+        got = trainer.compute_loss(trainer.model, batch).item()
+        avg = [
+            sequence_logps(
+                m(input_ids=batch[f"{s}_input_ids"], attention_mask=batch[f"{s}_attention_mask"]).logits,
+                batch[f"{s}_labels"],
+                average=True,
+            )
+            for m in (model, ref)
+            for s in ("chosen", "rejected")
+        ]
+    assert got == pytest.approx(dpo_loss(*avg, beta=0.1, loss_type="ipo").mean().item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("loss_type", ["ipo", "simpo"])
 def test_other_losses_train(tmp_path: Path, loss_type: str) -> None:
     ref = None if loss_type == "simpo" else "copy"
@@ -305,7 +363,10 @@ def test_exact_eval_loss_is_the_mean_over_pairs(tmp_path: Path) -> None:
     tok = chat_tokenizer()
     eval_rows = encode_preference(Dataset.from_list(CONVERSATIONS[:5]), tok, None, MAX_LEN, "eval")
     trainer = _trainer(
-        tmp_path, eval_dataset=eval_rows, args={"per_device_eval_batch_size": 2, "exact_eval_loss": True}
+        tmp_path,
+        ref_model=tiny_model(len(tok), seed=1),  # not the policy: rewards that differ from pair to pair
+        eval_dataset=eval_rows,
+        args={"per_device_eval_batch_size": 2, "exact_eval_loss": True},
     )
     metrics = trainer.evaluate()
     batch = PreferenceCollator(0)(eval_rows.to_list())
@@ -321,7 +382,12 @@ def test_exact_eval_loss_is_the_mean_over_pairs(tmp_path: Path) -> None:
         ]
     want = dpo_loss(*logps, beta=0.1, loss_type="sigmoid").mean().item()
     assert metrics["eval_loss"] == pytest.approx(want, rel=1e-5)
-    assert "eval_rewards/accuracies" in metrics and "eval_rewards/margins" in metrics
+    # the metrics are means over the 5 pairs (not over the batches of 2, 2 and 1 pairs)
+    chosen, rejected = 0.1 * (logps[0] - logps[2]), 0.1 * (logps[1] - logps[3])
+    assert metrics["eval_rewards/margins"] == pytest.approx((chosen - rejected).mean().item(), rel=1e-5)
+    assert metrics["eval_rewards/accuracies"] == pytest.approx((chosen > rejected).double().mean().item())
+    assert metrics["eval_logps/chosen"] == pytest.approx(logps[0].mean().item(), rel=1e-5)
+    assert 0 < metrics["eval_rewards/accuracies"] < 1  # the pairs differ: a count that can be wrong
 
 
 def test_resume_is_bitwise(tmp_path: Path) -> None:
@@ -380,10 +446,22 @@ def test_lora_reference_is_the_model_without_adapters(tmp_path: Path) -> None:
 # --- 2 gloo ranks ----------------------------------------------------------------------------------------------------
 
 
+EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/chosen")
+
+
 def _run_job(out: Path) -> dict:
-    trainer = _trainer(out)
+    tok = chat_tokenizer()
+    # 5 pairs, 2 per device: on 2 ranks the last round holds 1 real pair and 3 repeats, and exact evaluation runs
+    # each rank's real pairs once more
+    rows = [dict(row) for row in CONVERSATIONS[3:]]
+    for row in rows[::2]:  # chosen and rejected swapped: pairs the trained policy ranks wrong
+        row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    eval_rows = encode_preference(Dataset.from_list(rows), tok, None, MAX_LEN, "eval")
+    trainer = _trainer(out, eval_dataset=eval_rows, args={"per_device_eval_batch_size": 2, "exact_eval_loss": True})
     trainer.train()
     result = {key: [entry[key] for entry in _logs(trainer)] for key in ("loss", "rewards/margins", "logps/chosen")}
+    metrics = trainer.evaluate()  # the trained policy against the initial one: rewards that differ between pairs
+    result.update({key: [metrics[key]] for key in EVAL_KEYS})
     ddp = torch.nn.parallel.DistributedDataParallel
     # the policy is wrapped for data parallelism, the frozen reference is not
     result["wrapped"] = [isinstance(trainer.model_wrapped, ddp), isinstance(trainer.ref_model, ddp)]
@@ -397,8 +475,10 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
     run_ranks("tests.chat.test_preference", 2, str(tmp_path / "two"), timeout=600)
     two = json.loads((tmp_path / "two" / "result.json").read_text())
     assert one.pop("wrapped") == [False, False] and two.pop("wrapped") == [True, False]
+    assert 0 < one["eval_rewards/accuracies"][0] < 1
     for key, values in one.items():
-        assert two[key] == pytest.approx(values, rel=1e-5, abs=1e-7), key
+        near = 1e-5 if "logits" in key else 1e-7  # a mean logit near 0 carries the trained weights' rounding
+        assert two[key] == pytest.approx(values, rel=1e-5, abs=near), key
 
 
 def main(out: str) -> None:

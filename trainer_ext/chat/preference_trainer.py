@@ -5,8 +5,11 @@ policy as one batch (chosen rows first), each sequence's log-probability is the 
 log-probabilities (SimPO: their mean), the reference log-probabilities come from the reference model under
 ``no_grad``, and the loss is the mean over the pairs. The metrics TRL logs — ``rewards/chosen``,
 ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``,
-``logits/chosen``, ``logits/rejected`` — are gathered over the data-parallel ranks at each micro-batch and averaged
-over the logging window (``eval_`` prefixed in evaluation).
+``logits/chosen``, ``logits/rejected`` — are summed on each rank over the logging window and reduced over the
+data-parallel ranks once, when logged: the means over the window's pairs (logits/*: over its response tokens),
+``eval_`` prefixed in evaluation, where the pairs the sampler repeats to complete the last round are left out. The
+rewards and logps/* come from the summed log-probabilities under ipo too, as TRL logs them. The reference forward
+runs under the accelerator's autocast, as the policy's does.
 
 The reference: ``ref_model`` when given (moved to the training device, in eval mode, frozen; never wrapped for
 data parallelism, never saved in checkpoints); for a PEFT model without one, the model itself with its adapters
@@ -19,7 +22,6 @@ trainer_ext's exact evaluation takes its samples as the units) and ``eval_loss``
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,7 +36,20 @@ from trainer_ext.chat.preference import (
     simpo_loss,
 )
 from trainer_ext.errors import ConfigError
+from trainer_ext.trainer.exact_eval import real_rows
 from trainer_ext.trainer.trainer import Trainer
+
+# the logged metrics (TRL's names); the first six are means over pairs, the logits/* means over response tokens
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
 
 
 def _is_peft_model(model: Any) -> bool:
@@ -110,10 +125,9 @@ class PreferenceTrainer(Trainer):
         if ref_model is not None:
             ref_model.requires_grad_(False)
             self.ref_model = ref_model.to(self.args.device).eval()
-        self._preference_metrics: dict[str, dict[str, list[float]]] = {
-            "train": defaultdict(list),
-            "eval": defaultdict(list),
-        }
+        # per mode, this rank's [sums of METRICS..., their counts] since the last log (None: nothing recorded)
+        self._preference_metrics: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+        self._record_eval = False  # set by prediction_step for its first compute_loss (not exact eval's rerun)
 
     def _set_signature_columns_if_needed(self) -> None:
         """With ``remove_unused_columns``, the columns kept are the pairs' (the model's forward names none)."""
@@ -121,12 +135,27 @@ class PreferenceTrainer(Trainer):
             self._signature_columns = list(PREFERENCE_COLUMNS)
 
     def _reference_logits(self, model: Any, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():
+        """The reference's logits, in the policy's precision: under the accelerator's autocast (the prepared
+        policy's forward runs under it for --bf16/--fp16), half-precision logits back as float32 as the policy's."""
+        with torch.no_grad(), self.accelerator.autocast():
             if self.ref_model is not None:
-                return self.ref_model(**kwargs).logits
-            unwrapped = self.accelerator.unwrap_model(model)  # not through DDP: no gradients to reduce
-            with unwrapped.disable_adapter():
-                return unwrapped(**kwargs).logits
+                logits = self.ref_model(**kwargs).logits
+            else:
+                unwrapped = self.accelerator.unwrap_model(model)  # not through DDP: no gradients to reduce
+                with unwrapped.disable_adapter():  # the prepared model's own forward: autocast, float32 logits
+                    logits = unwrapped(**kwargs).logits
+        if self.accelerator.mixed_precision != "no" and logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return logits
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any) -> Any:
+        """Records the batch's metrics in its first ``compute_loss`` only (exact evaluation may run the batch's
+        real pairs once more)."""
+        self._record_eval = True
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
+        finally:
+            self._record_eval = False
 
     def compute_loss(
         self, model: Any, inputs: dict[str, torch.Tensor], return_outputs: bool = False, num_items_in_batch: Any = None
@@ -139,10 +168,12 @@ class PreferenceTrainer(Trainer):
             "use_cache": False,
         }
         labels = torch.cat([inputs["chosen_labels"], inputs["rejected_labels"]])
+        # response tokens whose log-probability counts (position t predicts label t + 1), for SimPO and IPO
+        lengths = (labels[:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
         logits = model(**kwargs).logits
         sums = sequence_logps(logits, labels)
         if self.loss_type == "simpo":
-            scores = sums / (labels[:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
+            scores = sums / lengths
             chosen, rejected = scores.split(pairs)
             losses = simpo_loss(chosen, rejected, self.beta, self.simpo_gamma)
             chosen_rewards, rejected_rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
@@ -153,8 +184,7 @@ class PreferenceTrainer(Trainer):
                 else sequence_logps(self._reference_logits(model, kwargs), labels)
             )
             ref = ref.detach()
-            if self.loss_type == "ipo":  # TRL: the scores averaged over the response tokens
-                lengths = (labels != IGNORE_INDEX).sum(-1).clamp(min=1)
+            if self.loss_type == "ipo":  # TRL: the loss on the scores averaged over the response tokens
                 policy_scores, ref_scores = sums / lengths, ref / lengths
             else:
                 policy_scores, ref_scores = sums, ref
@@ -163,12 +193,15 @@ class PreferenceTrainer(Trainer):
             losses = dpo_loss(
                 chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, self.label_smoothing
             )
+            # the rewards and logps/* from the summed log-probabilities, also under ipo (as TRL 1.16 logs them)
             logratios = (sums - ref).detach()
             chosen_rewards, rejected_rewards = (self.beta * logratios).split(pairs)
         loss = losses.mean()
-        self._record(
-            mode, logits, labels, sums if self.loss_type != "simpo" else scores, chosen_rewards, rejected_rewards
-        )
+        if mode == "train" or self._record_eval:
+            self._record_eval = False
+            real = pairs if mode == "train" else real_rows(self.accelerator, pairs)  # not the eval sampler's repeats
+            logps = sums if self.loss_type != "simpo" else scores
+            self._record(mode, real, logits, labels, logps, chosen_rewards, rejected_rewards)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
@@ -176,41 +209,54 @@ class PreferenceTrainer(Trainer):
     def _record(
         self,
         mode: str,
+        real: int,
         logits: torch.Tensor,
         labels: torch.Tensor,
         logps: torch.Tensor,
         chosen_rewards: torch.Tensor,
         rejected_rewards: torch.Tensor,
     ) -> None:
-        """This micro-batch's metrics, over every data-parallel rank (TRL's names and definitions)."""
-        gather = self.accelerator.gather
-        window = self._preference_metrics[mode]
+        """Add this micro-batch's first ``real`` pairs to this rank's metric sums (TRL's definitions); no collective
+        here: :meth:`log` sums the ranks."""
         pairs = chosen_rewards.shape[0]
         with torch.no_grad():
             mask = labels[:, 1:] != IGNORE_INDEX
-            token_logits = logits[:, :-1].detach().float().mean(-1) * mask  # the mean logit at each response token
-            sums = torch.stack(
-                [part.sum() for part in token_logits.split(pairs)] + [m.sum() for m in mask.split(pairs)]
+            token_logits = logits[:, :-1].detach().mean(-1, dtype=torch.float32) * mask  # mean logit per token
+            chosen, rejected = chosen_rewards[:real].double(), rejected_rewards[:real].double()
+            logps_chosen, logps_rejected = (part[:real].double() for part in logps.detach().split(pairs))
+            (logits_chosen, logits_rejected), (mask_chosen, mask_rejected) = (
+                token_logits.split(pairs),
+                mask.split(pairs),
             )
-            sums = gather(sums.reshape(1, -1)).sum(0)
-            rewards = torch.stack([chosen_rewards, rejected_rewards])
-            rewards = gather(rewards.T.contiguous()).T  # gathered along the pairs
-            logps = gather(torch.stack(logps.detach().split(pairs)).T.contiguous()).T
-        chosen, rejected = rewards
-        window["rewards/chosen"].append(chosen.mean().item())
-        window["rewards/rejected"].append(rejected.mean().item())
-        window["rewards/accuracies"].append((chosen > rejected).float().mean().item())
-        window["rewards/margins"].append((chosen - rejected).mean().item())
-        window["logps/chosen"].append(logps[0].mean().item())
-        window["logps/rejected"].append(logps[1].mean().item())
-        window["logits/chosen"].append((sums[0] / sums[2]).item() if sums[2] > 0 else 0.0)
-        window["logits/rejected"].append((sums[1] / sums[3]).item() if sums[3] > 0 else 0.0)
+            sums = [
+                chosen.sum(),
+                rejected.sum(),
+                (chosen > rejected).sum(),
+                (chosen - rejected).sum(),
+                logps_chosen.sum(),
+                logps_rejected.sum(),
+                logits_chosen[:real].sum(),
+                logits_rejected[:real].sum(),
+            ]
+            counts = [torch.tensor(real, device=chosen.device)] * 6 + [
+                mask_chosen[:real].sum(),
+                mask_rejected[:real].sum(),
+            ]
+            update = torch.stack([value.to(torch.float64) for value in sums + counts])
+        held = self._preference_metrics[mode]
+        self._preference_metrics[mode] = update if held is None else held + update
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Add the window's averaged preference metrics (``eval_``-prefixed in evaluation), then empty the window."""
+        """Add the preference metrics since the last log, over every rank (one all-reduce; ``eval_``-prefixed in
+        evaluation): the means over the window's pairs, the logits/* over its response tokens."""
         mode = "train" if self.model.training else "eval"
-        window = self._preference_metrics[mode]
-        prefix = "eval_" if mode == "eval" else ""
-        logs.update({f"{prefix}{key}": sum(values) / len(values) for key, values in window.items() if values})
+        held = self._preference_metrics[mode]
+        if held is not None:  # every rank records the same micro-batches, so every rank reduces here
+            self._preference_metrics[mode] = None
+            totals = self.accelerator.reduce(held, "sum").tolist()
+            sums, counts = totals[: len(METRICS)], totals[len(METRICS) :]
+            prefix = "eval_" if mode == "eval" else ""
+            if counts[0] > 0:
+                for name, total, count in zip(METRICS, sums, counts, strict=True):
+                    logs[f"{prefix}{name}"] = total / count if count > 0 else 0.0
         super().log(logs, *args, **kwargs)
-        window.clear()

@@ -46,6 +46,16 @@ def first_rows(inputs: Any, rows: int, count: int) -> Any:
     return type(inputs)(cut(value) for value in inputs)
 
 
+def real_rows(accelerator: Any, rows: int) -> int:
+    """How many of this rank's ``rows`` evaluation samples are real: all of them, except in the last round of an
+    uneven shard, which is gathered in rank order with its first ``remainder`` samples real (as
+    ``gather_for_metrics``) and the rest repeats that complete the round."""
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0 and rows > 0:
+        return min(max(state.remainder - accelerator.data_parallel_index * rows, 0), rows)
+    return rows
+
+
 def loss_units(inputs: Any, shifts_labels: bool) -> torch.Tensor | int:
     """What a batch's mean loss is a mean over, as transformers' model losses define it.
 
@@ -137,12 +147,10 @@ class ExactEvalLossMixin:
 
     def _add_exact_eval(self, model: Any, inputs: Any, loss: torch.Tensor) -> None:
         rows = batch_rows(inputs)
-        real, items = rows, self._exact_eval_items
+        real, items = real_rows(self.accelerator, rows), self._exact_eval_items
         state = self.accelerator.gradient_state
         remainder = state.remainder
         if state.end_of_dataloader and remainder > 0 and rows > 0:
-            # the last round is gathered in rank order, its first ``remainder`` samples real (as gather_for_metrics)
-            real = min(max(remainder - self.accelerator.data_parallel_index * rows, 0), rows)
             if remainder % rows:  # some rank's last batch mixes real and repeated samples: all ranks run once more
                 inputs = first_rows(inputs, rows, max(real, 1))
                 units = self.eval_loss_units(model, inputs)  # before the loss, which may pop the labels
