@@ -15,12 +15,22 @@ from trainer_ext.job.run import build_model, build_tokenizer, label_names, load_
 WARNING = "find_unused_parameters=True was specified in DDP constructor"
 
 
-@pytest.mark.parametrize("task", TASKS)
+# dpo builds sft's model (a causal LM from the same preset and chat tokenizer) and runs it on chosen and rejected rows
+MODEL_TASKS = [task for task in TASKS if task != "dpo"]
+
+
+@pytest.mark.parametrize("task", MODEL_TASKS)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_parameter_of_a_preset_gets_a_gradient(tmp_path: Path, task: str, preset: str) -> None:
     torch.manual_seed(0)
     args = TrainJobArguments(output_dir=str(tmp_path), task=task, model_config=preset, max_seq_length=32)
     raw = load_raw_datasets(args)
+    if task == "sft":
+        batch, model = _chat_batch(args, raw)
+        model(**batch).loss.backward()
+        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert unused == [], f"{preset} for {task}: no gradient for {unused}"
+        return
     text_column, label_column = resolve_columns(args, raw)
     labels = label_names(args, raw, label_column) if label_column else None
     tokenizer = build_tokenizer(args, raw["train"][text_column])
@@ -48,3 +58,14 @@ def test_the_built_in_job_on_two_ranks_prints_no_find_unused_parameters_warning(
 @pytest.mark.parametrize("task", TASKS)
 def test_the_built_in_models_train_without_searching_for_unused_parameters(tmp_path: Path, task: str) -> None:
     assert TrainJobArguments(output_dir=str(tmp_path), task=task).ddp_find_unused_parameters is False
+
+
+def _chat_batch(args: TrainJobArguments, raw) -> tuple[dict, torch.nn.Module]:
+    """Eight of the shipped conversations as the sft job batches them, and the model it builds for them."""
+    from trainer_ext.chat.packing import SFTCollator
+    from trainer_ext.job.chat_job import build_chat_tokenizer, encode
+
+    tokenizer, template, _ = build_chat_tokenizer(args, raw["train"])
+    model = build_model(args, tokenizer, None)
+    rows = encode(args, raw, tokenizer, template)["train"].select(range(8))
+    return SFTCollator(pad_token_id=tokenizer.pad_token_id)(list(rows)), model

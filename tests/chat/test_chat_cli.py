@@ -56,7 +56,7 @@ def test_bad_chat_flags_exit_2_with_one_line_and_write_nothing(
     code, err = _run(capsys, out, argv)
     assert code == 2, err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    assert len(err.strip().splitlines()) == 1, err  # refused before any data is read (no loading progress either)
     assert not out.exists()
 
 

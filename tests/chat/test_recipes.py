@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.groups import no_group_left  # noqa: F401
 from trainer_ext.job.flags import parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,10 @@ def _id(path: Path) -> str:
 
 def _values(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+# parsing an FSDP train config in this process starts a group of one: torn down after each test
+pytestmark = pytest.mark.usefixtures("no_group_left")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.groups import no_group_left  # noqa: F401
 from tests.helpers.paths import CONFIGS, ROOT
 from trainer_ext.cli.main import main
 
@@ -31,6 +32,9 @@ KIND_OF_FOLDER = {
 }
 # recipes that start from another recipe's output folder: validated where that folder exists
 STARTS_FROM = {"recipes/dpo.yaml": "outputs/recipes/sft_fsdp", "recipes/tiny/dpo.yaml": "outputs/recipes/sft"}
+
+# parsing an FSDP train config in this process starts a group of one: torn down after each test
+pytestmark = pytest.mark.usefixtures("no_group_left")
 
 
 def _peft_findable(monkeypatch: pytest.MonkeyPatch) -> None:

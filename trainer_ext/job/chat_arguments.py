@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainer_ext.chat.formats import parse_column_mapping
 from trainer_ext.chat.names import FORMATS, LOSS_TYPES, TEMPLATE_NAMES, TRUNCATIONS
 from trainer_ext.errors import ConfigError, did_you_mean
 from trainer_ext.job.fields import field_help
@@ -158,6 +159,7 @@ class ChatArguments:
             )
         if self.simpo_gamma != PREFERENCE_DEFAULTS["simpo_gamma"] and self.loss_type != "simpo":
             raise ConfigError(f"--simpo_gamma applies to --loss_type simpo, not {self.loss_type}: drop it")
+        parse_column_mapping(self.column_mapping)  # a malformed mapping: one line before any data is read
         if self.task == "dpo" and self.data_format not in ("auto", "preference"):
             raise ConfigError(
                 f"--task dpo trains on preference pairs (prompt/chosen/rejected), not --data_format "
