@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import trainer_ext
+from tests.helpers.jobs import StopAt
 
 GLOBAL_BATCH = 8
 STEPS = 4
@@ -37,18 +38,6 @@ class StartedAt(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         StartedAt.step = state.global_step
-        return control
-
-
-class StopAt(TrainerCallback):
-    """Stop right after optimizer step ``step`` (its checkpoint is saved by --save_steps)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
         return control
 
 
